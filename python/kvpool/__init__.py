@@ -1,0 +1,38 @@
+"""kvpool: a KV-cache manager for people who write their own LLM serving loops.
+
+Sizing (``size_for``, ``ModelSpec``) needs neither torch nor triton; ``KVPool`` and the kernels
+import torch when used.
+"""
+
+from kvpool._core import (
+    BudgetTooSmallError,
+    KvDtypeError,
+    LayoutError,
+    ModelConfigError,
+    SizingError,
+)
+from kvpool.config import ModelSpec
+from kvpool.sizing import KV_DTYPES, Plan, compare, size_for
+
+__all__ = [
+    "KV_DTYPES",
+    "BudgetTooSmallError",
+    "KVPool",
+    "KvDtypeError",
+    "LayoutError",
+    "ModelConfigError",
+    "ModelSpec",
+    "Plan",
+    "SizingError",
+    "compare",
+    "size_for",
+]
+
+
+def __getattr__(name: str):
+    # KVPool needs torch; import it only when asked so `import kvpool` stays light.
+    if name == "KVPool":
+        from kvpool.pool import KVPool
+
+        return KVPool
+    raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

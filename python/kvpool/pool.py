@@ -1,0 +1,195 @@
+"""``KVPool``: the torch buffers a :class:`~kvpool.Plan` describes, and the per-layer view the
+kernels take.
+
+The pool allocates exactly ``plan.buffers`` (so ``sum(t.nbytes) == plan.total_bytes``) and adds
+nothing of its own. Rows are token slots: ``slot = page * page_size + offset``, page 0 is the
+reserved padding page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvpool.sizing import Plan
+
+
+@dataclass
+class LayerView:
+    """One layer's buffers, as the write and attention kernels take them.
+
+    Shapes (``R`` = rows = num_tokens + page_size, ``H`` = KV heads per rank, ``D``/``Dv`` = K/V
+    head dims as stored; MLA: ``v`` is None and ``k`` is the latent of
+    ``kv_lora_rank + qk_rope_head_dim`` values, ``H`` = 1):
+
+    - ``k``: ``[R, H, D]`` in the cache dtype (fp32/bf16/fp16/float8_e4m3fn/float8_e5m2), or
+      ``[R, H, D/2]`` uint8 for FP4 (element 2i in the low nibble).
+    - ``v``: ``[R, H, Dv]`` likewise (``[R, H, Dv/2]`` for FP4).
+    - ``k_block_scale``/``v_block_scale``: nvfp4 ``[R, H, D/16]`` float8_e4m3fn;
+      fp4_mx_block16 ``[R, H*D/16]`` uint8 (ue8m0, bias 127); else None.
+    - ``k_block_scale_page_major``/``v_block_scale_page_major``: nvfp4 recipes with page-major
+      scales, ``[R/page_size, H, page_size, D/16]`` float8_e4m3fn (V with the 4-token
+      interleave); else None.
+    - ``k_scale``/``v_scale``: ``[1]`` float32: the per-tensor scale of fp8 caches, the global
+      scale of nvfp4 caches (x = e2m1 * block_scale * global_scale); else None.
+    - ``workspace_k``/``workspace_v``: the shared one-layer FP8 workspace ``[R, H, D]`` (mixed and
+      linear_workspace recipes); else None.
+    """
+
+    layer: int
+    dtype: str
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    k: torch.Tensor
+    v: torch.Tensor | None
+    k_block_scale: torch.Tensor | None = None
+    v_block_scale: torch.Tensor | None = None
+    k_block_scale_page_major: torch.Tensor | None = None
+    v_block_scale_page_major: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    workspace_k: torch.Tensor | None = None
+    workspace_v: torch.Tensor | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the layer stores one MLA latent instead of K and V."""
+        return self.v is None
+
+
+_FIELD = {
+    ("data", "k"): "k",
+    ("data", "kv"): "k",
+    ("data", "v"): "v",
+    ("block_scale", "k"): "k_block_scale",
+    ("block_scale", "kv"): "k_block_scale",
+    ("block_scale", "v"): "v_block_scale",
+    ("block_scale_page_major", "k"): "k_block_scale_page_major",
+    ("block_scale_page_major", "kv"): "k_block_scale_page_major",
+    ("block_scale_page_major", "v"): "v_block_scale_page_major",
+    ("scale", "k"): "k_scale",
+    ("scale", "kv"): "k_scale",
+    ("scale", "v"): "v_scale",
+    ("workspace", "k"): "workspace_k",
+    ("workspace", "kv"): "workspace_k",
+    ("workspace", "v"): "workspace_v",
+}
+
+
+class KVPool:
+    """The KV cache buffers of one rank, allocated exactly as ``plan.buffers`` lists them.
+
+    Parameters
+    ----------
+    plan : Plan
+        From :func:`kvpool.size_for`.
+    device : str or torch.device
+        Where to allocate (``"cuda"``, ``"cpu"``, ``"meta"`` for a dry run).
+
+    Attributes
+    ----------
+    buffers : dict of str to torch.Tensor
+        Stable names (``layers.3.k``, ``layers.3.k_block_scale``, ``layers.3.k_scale``,
+        ``workspace.k``) to tensors. Data buffers start uninitialized (slots are only read up to
+        each request's length); per-layer scales start at 1.0.
+    """
+
+    def __init__(self, plan: Plan, device: str | torch.device = "cuda"):
+        self.plan = plan
+        self.device = torch.device(device)
+        self.page_size = plan.page_size
+        self.num_pages = plan.num_pages
+        self.buffers: dict[str, torch.Tensor] = {}
+        for b in plan.buffers:
+            dt = getattr(torch, b.dtype)
+            if b.role == "scale":
+                t = torch.ones(b.shape, dtype=dt, device=self.device)
+            else:
+                t = torch.empty(b.shape, dtype=dt, device=self.device)
+            self.buffers[b.name] = t
+        spec = plan.spec
+        d_k = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else spec.head_dim
+        self._views: dict[int, LayerView] = {}
+        shared = {f: self.buffers.get(f"workspace.{t}") for f, t in (("workspace_k", "k"), ("workspace_v", "v"))}
+        if spec.is_mla:
+            shared["workspace_k"] = self.buffers.get("workspace.kv")
+        for layer, dtype in enumerate(plan.layer_dtypes):
+            if dtype is None:
+                continue
+            fields: dict[str, Any] = dict(shared)
+            for b in plan.buffers:
+                if b.layer == layer:
+                    fields[_FIELD[(b.role, b.tensor)]] = self.buffers[b.name]
+            fields.setdefault("v", None)
+            self._views[layer] = LayerView(
+                layer=layer,
+                dtype=dtype,
+                page_size=plan.page_size,
+                num_kv_heads=1 if spec.is_mla else plan.kv_heads_per_rank,
+                head_dim=d_k,
+                v_head_dim=0 if spec.is_mla else spec.v_head_dim,
+                **fields,
+            )
+        self.scales_source: str | None = None
+
+    @property
+    def layers(self) -> list[int]:
+        """Indices of the layers that store KV (linear-attention layers have no view)."""
+        return list(self._views)
+
+    def layer(self, layer: int) -> LayerView:
+        """The buffers of one layer.
+
+        Raises
+        ------
+        KeyError
+            ``layer`` is out of range or stores no KV (linear attention).
+        """
+        try:
+            return self._views[layer]
+        except (KeyError, TypeError):
+            raise KeyError(
+                f"layer `{layer}` has no KV buffers (layers with KV: 0..{self.plan.spec.num_layers - 1}"
+                f" except linear-attention layers)"
+            ) from None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer; equals ``plan.total_bytes``."""
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def set_kv_scales(
+        self, k_scales: Sequence[float], v_scales: Sequence[float], *, source: str = "caller"
+    ) -> None:
+        """Set per-layer scales: fp8 per-tensor ``k_scale``/``v_scale``, nvfp4 global scales.
+
+        One entry per model layer (entries of layers without such a scale are ignored, so pass
+        the same list for every dtype). Both the write and the attention paths read them from
+        these buffers. Scales must be finite and positive; nothing changes on error.
+
+        Raises
+        ------
+        ValueError
+            Wrong length, or a scale that is not finite and positive (naming the layer).
+        """
+        n = self.plan.spec.num_layers
+        ks, vs = [list(map(float, s)) for s in (k_scales, v_scales)]
+        for name, s in (("k_scales", ks), ("v_scales", vs)):
+            if len(s) != n:
+                raise ValueError(f"`{name}` has {len(s)} entries, the model has {n} layers")
+            for i, x in enumerate(s):
+                if not (x > 0 and x != float("inf")):
+                    raise ValueError(f"`{name}[{i}]` = {x}: scales must be finite and > 0 (layer {i})")
+        for layer, view in self._views.items():
+            if view.k_scale is not None:
+                view.k_scale.fill_(ks[layer])
+            if view.v_scale is not None:
+                view.v_scale.fill_(vs[layer])
+        self.scales_source = source

@@ -1,0 +1,104 @@
+"""Weight bytes of a model: from the checkpoint's index when there is one, else estimated.
+
+The estimate counts parameters from ``config.json`` (embeddings, attention in its MHA/GQA, MLA or
+gated-DeltaNet form, dense or MoE MLPs, norms) and prices them by the checkpoint's format: the
+model dtype, or for FP8 checkpoints (``quantization_config.quant_method == "fp8"``) one byte per
+quantized linear weight plus one fp32 scale per 128x128 block, for MXFP4 (gpt-oss) 4.25 bits per
+expert weight. Embeddings, norms and routers stay in the model dtype. For Llama-3.1-8B it gives
+8,030,261,248 parameters, the published count.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from kvpool._core import ModelConfigError
+
+if TYPE_CHECKING:
+    from kvpool.config import ModelSpec
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def checkpoint_bytes(spec: ModelSpec) -> int | None:
+    """``metadata.total_size`` of ``model.safetensors.index.json`` (or the single file's size)."""
+    if spec.path is None:
+        return None
+    index = spec.path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return int(json.loads(index.read_text())["metadata"]["total_size"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise ModelConfigError(f"`{index}` has no usable metadata.total_size: {e}") from None
+    single = spec.path / "model.safetensors"
+    return single.stat().st_size if single.is_file() else None
+
+
+def parameter_counts(spec: ModelSpec) -> dict[str, int]:
+    """Parameters by group: ``embed``, ``dense`` (model-dtype linear), ``quantizable`` (linear
+    weights an FP8 checkpoint stores in 8 bits), ``experts`` (routed MoE expert weights)."""
+    f = spec.fields
+    hidden = f.int("hidden_size")
+    vocab = f.int("vocab_size")
+    heads = spec.num_attention_heads
+    tied = bool(f.get("tie_word_embeddings", False))
+    counts = {"embed": vocab * hidden * (1 if tied else 2), "norms": hidden, "linear": 0, "experts": 0}
+    n_experts = f.int("num_experts", default=0) or f.int("n_routed_experts", default=0)
+    n_experts = n_experts or f.int("num_local_experts", default=0)
+    first_dense = f.int("first_k_dense_replace", default=0)
+    shared = f.int("n_shared_experts", default=0)
+    for i, kind in enumerate(spec.layer_kinds):
+        counts["norms"] += 2 * hidden
+        if kind == "linear":
+            la = spec.linear_attention
+            kd = la["num_key_heads"] * la["key_head_dim"]
+            vd = la["num_value_heads"] * la["value_head_dim"]
+            counts["linear"] += hidden * (2 * kd + 2 * vd) + hidden * 2 * la["num_value_heads"]
+            counts["linear"] += vd * hidden + (2 * kd + vd) * la["conv_kernel"]
+        elif spec.is_mla:
+            q_rank = f.int("q_lora_rank", default=0)
+            nope, rope = f.int("qk_nope_head_dim"), spec.qk_rope_head_dim or 0
+            qdim = heads * (nope + rope)
+            q = hidden * q_rank + q_rank * qdim if q_rank else hidden * qdim
+            kv_a = hidden * (spec.kv_lora_rank + rope)
+            kv_b = spec.kv_lora_rank * heads * (nope + spec.v_head_dim)
+            counts["linear"] += q + kv_a + kv_b + heads * spec.v_head_dim * hidden
+        else:
+            q = hidden * heads * spec.head_dim
+            kv = hidden * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
+            counts["linear"] += q + kv + heads * spec.v_head_dim * hidden
+        if n_experts and i >= first_dense:
+            inter = f.int("moe_intermediate_size", default=0) or f.int("intermediate_size")
+            counts["experts"] += n_experts * 3 * hidden * inter
+            counts["linear"] += shared * 3 * hidden * inter
+            shared_inter = f.int("shared_expert_intermediate_size", default=0)
+            counts["linear"] += 3 * hidden * shared_inter
+            counts["norms"] += hidden * n_experts  # router
+        else:
+            counts["linear"] += 3 * hidden * f.int("intermediate_size")
+    return counts
+
+
+def estimate_weight_bytes(spec: ModelSpec) -> int:
+    """Estimated bytes of the model's weights on one device (no TP split), see module doc."""
+    c = parameter_counts(spec)
+    wb = _BYTES[spec.dtype] if spec.dtype in _BYTES else 2
+    q = spec.fields.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
+    plain = (c["embed"] + c["norms"]) * wb
+    if method == "fp8":
+        # 1 byte per weight + one fp32 scale per 128x128 block.
+        per = 1 + 4 / (128 * 128)
+        return int(plain + (c["linear"] + c["experts"]) * per)
+    if method == "mxfp4":
+        return int(plain + c["linear"] * wb + c["experts"] * (0.5 + 1 / 32))
+    return plain + (c["linear"] + c["experts"]) * wb
+
+
+def weight_bytes(spec: ModelSpec) -> tuple[int, str]:
+    """Weight bytes and where they came from (``"checkpoint"`` or ``"estimate"``)."""
+    exact = checkpoint_bytes(spec)
+    if exact is not None:
+        return exact, "checkpoint"
+    return estimate_weight_bytes(spec), "estimate"

@@ -1,0 +1,21 @@
+//! The crate error: one enum per room, composed here, mapped to Python once (`py/error.rs`).
+
+use crate::dtype::DtypeError;
+use crate::layout::LayoutError;
+use crate::model::ModelError;
+use crate::sizing::SizingError;
+
+/// Any error of the kvpool core.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Dtype(#[from] DtypeError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Sizing(#[from] SizingError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

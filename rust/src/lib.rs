@@ -1,0 +1,18 @@
+//! kvpool core: KV cache dtypes, attention geometry, byte-exact pool layout and sizing, the page
+//! allocator and the radix prefix cache. Usable without Python; the PyO3 bindings live in `py`
+//! behind the `python` feature.
+
+pub mod dtype;
+pub mod error;
+pub mod layout;
+pub mod model;
+pub mod sizing;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use dtype::{ElemDtype, KvDtype, ScaleKind};
+pub use error::{Error, Result};
+pub use layout::{BufferTemplate, Layout, LayoutConfig, Nvfp4Recipe, Role, Tensor, PADDING_PAGE};
+pub use model::{LayerKind, LinearState, Mla, ModelGeometry};
+pub use sizing::{capacity, kv_budget, Plan};

@@ -1,0 +1,143 @@
+//! `size_for`: a memory budget -> the largest page-aligned token capacity whose whole layout fits.
+//!
+//! The budget follows SGLang's `profile_max_num_token`, so numbers agree with its logs:
+//! `rest = available_memory - total_memory * (1 - mem_frac)`, with `total_memory` the free device
+//! memory before the weights were loaded and `available_memory` the free memory after.
+
+use crate::layout::{Layout, LayoutConfig, LayoutError, Role, Tensor};
+use crate::model::{LayerKind, ModelGeometry};
+
+/// Errors of the `sizing` room.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SizingError {
+    #[error("`mem_frac` must be in (0, 1], got {value}")]
+    MemFrac { value: f64 },
+    #[error("available memory ({available} bytes) exceeds total memory ({total} bytes); `available_memory` is what is free after loading weights, `total_memory` what was free before")]
+    AvailableAboveTotal { available: u64, total: u64 },
+    #[error("no memory left for the KV pool: {available} bytes available after weights, but {reserved} bytes (total {total} x (1 - mem_frac {mem_frac})) are reserved for activations; raise `mem_frac`, use a larger GPU or smaller weights")]
+    NoBudget { available: u64, reserved: u64, total: u64, mem_frac: f64 },
+    #[error("budget of {budget} bytes cannot hold one page: the smallest pool (one usable page of {page_size} tokens plus the padding page, {bytes_per_token} bytes per token, {fixed} fixed bytes) needs {needed} bytes, {missing} more; raise `mem_frac`, lower `page_size`, or pick a smaller KV dtype")]
+    TooSmall { budget: u64, needed: u64, missing: u64, page_size: u64, bytes_per_token: u64, fixed: u64 },
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// SGLang's KV budget in bytes: `available - total * (1 - mem_frac)`.
+///
+/// # Errors
+/// [`SizingError::MemFrac`] outside (0, 1], [`SizingError::AvailableAboveTotal`],
+/// [`SizingError::NoBudget`] when nothing is left.
+pub fn kv_budget(total_memory: u64, available_memory: u64, mem_frac: f64) -> Result<u64, SizingError> {
+    if !(mem_frac > 0.0 && mem_frac <= 1.0) {
+        return Err(SizingError::MemFrac { value: mem_frac });
+    }
+    if available_memory > total_memory {
+        return Err(SizingError::AvailableAboveTotal { available: available_memory, total: total_memory });
+    }
+    // f64 holds byte counts exactly up to 2^53 (8 PiB); round the reserve up so the pool never
+    // takes a byte of the activations' share.
+    let reserved = (total_memory as f64 * (1.0 - mem_frac)).ceil() as u64;
+    if available_memory <= reserved {
+        return Err(SizingError::NoBudget { available: available_memory, reserved, total: total_memory, mem_frac });
+    }
+    Ok(available_memory - reserved)
+}
+
+/// The largest `num_tokens`, a multiple of `page_size`, with `layout.total_bytes(num_tokens) <= budget`.
+///
+/// # Errors
+/// [`SizingError::TooSmall`] when not even one usable page fits, naming the missing bytes.
+pub fn capacity(layout: &Layout, budget: u64) -> Result<u64, SizingError> {
+    let ps = layout.page_size;
+    let bpt = layout.bytes_per_token();
+    let fixed = layout.fixed_bytes();
+    let needed = layout.total_bytes(ps);
+    if budget < needed {
+        return Err(SizingError::TooSmall {
+            budget,
+            needed,
+            missing: needed - budget,
+            page_size: ps,
+            bytes_per_token: bpt,
+            fixed,
+        });
+    }
+    let rows = (budget - fixed) / bpt;
+    Ok((rows / ps - 1) * ps)
+}
+
+/// A sized pool: its layout and how many tokens it holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub layout: Layout,
+    pub num_tokens: u64,
+    pub budget: u64,
+}
+
+impl Plan {
+    /// Sizes `model` under `config` to fit in `budget` bytes.
+    ///
+    /// # Errors
+    /// Any [`LayoutError`] of the config, [`SizingError::TooSmall`].
+    pub fn new(model: &ModelGeometry, config: &LayoutConfig, budget: u64) -> Result<Self, SizingError> {
+        let layout = Layout::new(model, config)?;
+        let num_tokens = capacity(&layout, budget)?;
+        Ok(Self { layout, num_tokens, budget })
+    }
+
+    /// A plan with a caller-chosen token count (rounded up to whole pages), budget = its bytes.
+    ///
+    /// # Errors
+    /// Any [`LayoutError`] of the config.
+    pub fn with_tokens(model: &ModelGeometry, config: &LayoutConfig, num_tokens: u64) -> Result<Self, SizingError> {
+        let layout = Layout::new(model, config)?;
+        let ps = layout.page_size;
+        let num_tokens = num_tokens.div_ceil(ps) * ps;
+        let budget = layout.total_bytes(num_tokens);
+        Ok(Self { layout, num_tokens, budget })
+    }
+
+    pub const fn num_pages(&self) -> u64 {
+        self.num_tokens / self.layout.page_size
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.layout.total_bytes(self.num_tokens)
+    }
+
+    /// Bytes of the buffers that match `pred`, for this plan's row count.
+    pub fn bytes_where(&self, pred: impl Fn(Tensor, Role) -> bool) -> u64 {
+        let rows = self.layout.rows(self.num_tokens);
+        self.layout
+            .buffers
+            .iter()
+            .filter(|b| pred(b.tensor, b.role))
+            .map(|b| rows * b.row_bytes() + b.fixed_bytes())
+            .sum()
+    }
+
+    /// Bytes one request of `n` tokens holds. Full layers hold `ceil(n / page_size)` pages;
+    /// sliding-window layers are counted as a windowed pool would hold them: `min(n, window)`
+    /// tokens rounded up to whole pages, plus one page when `page_size > 1` (the window's start
+    /// rarely falls on a page boundary). The shared workspace is not per request.
+    pub fn request_bytes(&self, model: &ModelGeometry, n: u64) -> u64 {
+        let ps = self.layout.page_size;
+        let full_tokens = n.div_ceil(ps) * ps;
+        model
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let tokens = match *kind {
+                    LayerKind::Full => full_tokens,
+                    LayerKind::Sliding { window } => {
+                        let held = n.min(window).div_ceil(ps) * ps + if ps > 1 { ps } else { 0 };
+                        held.min(full_tokens)
+                    }
+                    LayerKind::Linear => 0,
+                };
+                tokens * self.layout.layer_bytes_per_token(i)
+            })
+            .sum()
+    }
+}
