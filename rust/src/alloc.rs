@@ -63,6 +63,8 @@ pub enum AllocError {
     OutOfRange { page: i64, num_pages: u32 },
     #[error("page `{page}` is not allocated (it is free: double free or stale id)")]
     NotAllocated { page: u32 },
+    #[error("page `{page}` has no reference left but the prefix cache's: double free (the cache drops its own reference when it evicts)")]
+    OnlyCached { page: u32 },
     #[error("page `{page}` appears more than once in one call")]
     Duplicate { page: u32 },
     #[error("page `{page}` already has the maximum reference count")]
@@ -109,6 +111,8 @@ pub struct PageAllocator {
     refs: Vec<u32>,
     /// Free pages, used as a stack (the last entries are handed out first).
     free: Vec<PageId>,
+    /// Whether a prefix cache holds one of the page's references (it may drop only that one).
+    cached: Vec<bool>,
     /// Per-page stamp of the last call that saw it: detects repeated ids in O(n), no allocation.
     seen: Vec<u32>,
     stamp: u32,
@@ -140,6 +144,7 @@ impl PageAllocator {
             num_pages: n,
             refs: vec![0; n as usize + 1],
             free,
+            cached: vec![false; n as usize + 1],
             seen: vec![0; n as usize + 1],
             stamp: 0,
         })
@@ -161,6 +166,10 @@ impl PageAllocator {
     /// References held on `page` (0 for a free page).
     pub fn ref_count(&self, page: PageId) -> u32 {
         self.refs.get(page.index()).copied().unwrap_or(0)
+    }
+    /// Reference count of every page id, index 0 (padding) included.
+    pub fn ref_counts(&self) -> &[u32] {
+        &self.refs
     }
     pub(crate) const fn id(&self) -> u64 {
         self.id
@@ -186,10 +195,13 @@ impl PageAllocator {
     /// Drops one reference on each page; a page returns to the free list at zero.
     ///
     /// # Errors
-    /// The padding page, an id out of range, a free page or an id repeated in `pages`
-    /// ([`AllocError`]); nothing changes then.
+    /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
+    /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
         let ids = self.check_held(pages, false)?;
+        if let Some(p) = ids.iter().find(|p| self.refs[p.index()] == u32::from(self.cached[p.index()])) {
+            return Err(AllocError::OnlyCached { page: p.get() });
+        }
         for p in ids {
             self.release(p);
         }
@@ -250,8 +262,25 @@ impl PageAllocator {
         Ok(out)
     }
 
+    /// Whether a prefix cache holds a reference on `page`.
+    pub fn is_cached(&self, page: PageId) -> bool {
+        self.cached.get(page.index()).copied().unwrap_or(false)
+    }
+
+    /// The cache's reference: taken on a held page not cached yet, checked by the caller.
+    pub(crate) fn retain_cached(&mut self, p: PageId) {
+        self.cached[p.index()] = true;
+        self.retain(p);
+    }
+
+    /// Drops the cache's reference on a page it holds.
+    pub(crate) fn release_cached(&mut self, p: PageId) {
+        self.cached[p.index()] = false;
+        self.release(p);
+    }
+
     /// Drops one reference on a page known to be held (checked by the caller).
-    pub(crate) fn release(&mut self, p: PageId) {
+    fn release(&mut self, p: PageId) {
         let r = &mut self.refs[p.index()];
         debug_assert!(*r > 0, "release of free page {}", p.get());
         *r = r.saturating_sub(1);
@@ -261,7 +290,7 @@ impl PageAllocator {
     }
 
     /// Adds one reference to a page known to be held and below the maximum (checked by the caller).
-    pub(crate) fn retain(&mut self, p: PageId) {
+    fn retain(&mut self, p: PageId) {
         let r = &mut self.refs[p.index()];
         *r = r.saturating_add(1);
     }
@@ -375,6 +404,18 @@ mod tests {
         assert_eq!(a.free(&[0i32]).unwrap_err(), AllocError::PaddingPage);
         assert_eq!(a.free(&[9i32]).unwrap_err(), AllocError::OutOfRange { page: 9, num_pages: 4 });
         assert!(a.inc_ref(&[3i32]).is_err(), "cannot share a free page");
+    }
+
+    #[test]
+    fn a_cached_reference_cannot_be_freed_by_a_holder() {
+        let mut a = PageAllocator::new(2, 1).unwrap();
+        let p = a.alloc(1).unwrap();
+        a.retain_cached(p[0]);
+        a.free(&p).unwrap();
+        assert_eq!(a.free(&p).unwrap_err(), AllocError::OnlyCached { page: p[0].get() });
+        assert_eq!(a.ref_count(p[0]), 1);
+        a.release_cached(p[0]);
+        assert_eq!(a.num_free(), 2);
     }
 
     #[test]

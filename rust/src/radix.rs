@@ -233,8 +233,6 @@ pub struct RadixCache {
     /// Unlocked leaves by (last access, slot): the eviction order.
     lru: BTreeSet<(u64, u32)>,
     clock: u64,
-    /// Whether the tree holds a reference on each page id.
-    in_tree: Vec<bool>,
     evictable: usize,
     protected: usize,
     hit: u64,
@@ -272,7 +270,6 @@ impl RadixCache {
             roots: HashMap::new(),
             lru: BTreeSet::new(),
             clock: 0,
-            in_tree: vec![false; alloc.num_pages() + 1],
             evictable: 0,
             protected: 0,
             hit: 0,
@@ -493,7 +490,7 @@ impl RadixCache {
             }
         }
         let new = if pos < aligned { alloc.check_held(&pages[pos / ps..full], true)? } else { Vec::new() };
-        if let Some(p) = new.iter().find(|p| self.in_tree[p.get() as usize]) {
+        if let Some(p) = new.iter().find(|&&p| alloc.is_cached(p)) {
             return Err(RadixError::PageInTree { page: p.get() });
         }
         // Validated: from here on nothing fails.
@@ -515,8 +512,7 @@ impl RadixCache {
             self.roots.insert(ns.as_bytes().into(), parent);
         }
         for &p in &new {
-            alloc.retain(p);
-            self.in_tree[p.get() as usize] = true;
+            alloc.retain_cached(p);
         }
         let leaf = self.new_node(Node {
             parent,
@@ -631,8 +627,7 @@ impl RadixCache {
             self.lru.remove(&(n.last_access, id));
         }
         for &p in &n.pages {
-            alloc.release(p);
-            self.in_tree[p.get() as usize] = false;
+            alloc.release_cached(p);
         }
         self.evictable -= n.key.len();
         self.nodes[id as usize].generation = n.generation;
@@ -702,7 +697,7 @@ impl RadixCache {
         }
         for n in &self.nodes {
             for &p in &n.pages {
-                alloc.release(p);
+                alloc.release_cached(p);
             }
         }
         let fresh = Self::new(alloc, self.page_size)?;
@@ -742,7 +737,7 @@ impl RadixCache {
         self.check_alloc(alloc)?;
         let ps = self.page_size;
         let (mut evictable, mut protected, mut in_lru) = (0, 0, 0);
-        let mut seen = vec![false; self.in_tree.len()];
+        let mut seen = vec![false; alloc.num_pages() + 1];
         for (i, n) in self.nodes.iter().enumerate() {
             let id = i as u32;
             if !n.live {
@@ -791,14 +786,11 @@ impl RadixCache {
             in_lru += usize::from(n.in_lru);
             for &p in &n.pages {
                 let i = p.get() as usize;
-                if seen[i] || !self.in_tree[i] || alloc.ref_count(p) == 0 {
+                if seen[i] || !alloc.is_cached(p) || alloc.ref_count(p) == 0 {
                     return bad(format!("page {i}: held twice, unmarked or free"));
                 }
                 seen[i] = true;
             }
-        }
-        if seen != self.in_tree {
-            return bad("pages marked in tree but held by no node".into());
         }
         if (evictable, protected) != (self.evictable, self.protected) {
             return bad(format!(
