@@ -65,6 +65,8 @@ pub enum AllocError {
     NotAllocated { page: u32 },
     #[error("page `{page}` has no reference left but the prefix cache's: double free (the cache drops its own reference when it evicts)")]
     OnlyCached { page: u32 },
+    #[error("page `{page}` is already stored in the prefix cache (under another key)")]
+    AlreadyCached { page: u32 },
     #[error("page `{page}` appears more than once in one call")]
     Duplicate { page: u32 },
     #[error("page `{page}` already has the maximum reference count")]
@@ -129,6 +131,8 @@ pub(crate) enum Use {
     Free,
     /// Add one reference.
     Share,
+    /// Add the cache's reference (the page must not be cached yet).
+    Cache,
 }
 
 /// The page allocator. Not thread-safe by itself; the Python binding wraps it in a mutex.
@@ -142,6 +146,9 @@ pub struct PageAllocator {
     /// Free pages, used as a stack (the last entries are handed out first).
     free: Vec<PageId>,
     stamp: u32,
+    /// Cached pages that someone else holds too (count >= 2): when there are none, evicting a
+    /// page always frees it, and the cache can plan evictions without looking at each page.
+    shared_cached: usize,
 }
 
 impl PageAllocator {
@@ -164,7 +171,7 @@ impl PageAllocator {
         let n = num_pages as u32;
         // Stack order: the first `alloc` returns 1, 2, 3, ...
         let free = (1..=n).rev().filter_map(PageId::new).collect();
-        Ok(Self { id: next_id(), page_size: page_size as u32, num_pages: n, slots: vec![Slot::default(); n as usize + 1], free, stamp: 0 })
+        Ok(Self { id: next_id(), page_size: page_size as u32, num_pages: n, slots: vec![Slot::default(); n as usize + 1], free, stamp: 0, shared_cached: 0 })
     }
 
     pub const fn num_pages(&self) -> usize {
@@ -225,7 +232,9 @@ impl PageAllocator {
             let i = raw.to_i64() as usize;
             let s = &mut self.slots[i];
             s.refs -= 1;
-            if s.refs == 0 {
+            if s.refs == CACHED | 1 {
+                self.shared_cached -= 1;
+            } else if s.refs == 0 {
                 self.free.extend(PageId::new(i as u32));
             }
         }
@@ -239,7 +248,11 @@ impl PageAllocator {
     pub fn inc_ref<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
         self.check_held(pages, Use::Share)?;
         for &raw in pages {
-            self.slots[raw.to_i64() as usize].refs += 1;
+            let s = &mut self.slots[raw.to_i64() as usize];
+            s.refs += 1;
+            if s.refs == CACHED | 2 {
+                self.shared_cached += 1;
+            }
         }
         Ok(())
     }
@@ -280,7 +293,8 @@ impl PageAllocator {
             }
             match what {
                 Use::Free if count == u32::from(s.cached()) => return Err(AllocError::OnlyCached { page: p.get() }),
-                Use::Share if count == MAX_REFS => return Err(AllocError::RefOverflow { page: p.get() }),
+                Use::Share | Use::Cache if count == MAX_REFS => return Err(AllocError::RefOverflow { page: p.get() }),
+                Use::Cache if s.cached() => return Err(AllocError::AlreadyCached { page: p.get() }),
                 _ => {}
             }
             s.seen = stamp;
@@ -293,12 +307,21 @@ impl PageAllocator {
         let s = &mut self.slots[p.index()];
         debug_assert!(s.count() > 0 && !s.cached() && s.count() < MAX_REFS);
         s.refs = (s.refs + 1) | CACHED;
+        self.shared_cached += 1; // the holder that handed it over still has its reference
+    }
+
+    /// Cached pages with another holder besides the cache.
+    pub(crate) const fn shared_cached(&self) -> usize {
+        self.shared_cached
     }
 
     /// Drops the cache's reference on a page it holds.
     pub(crate) fn release_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
         debug_assert!(s.cached() && s.count() > 0, "release of page {} the cache does not hold", p.get());
+        if s.count() >= 2 {
+            self.shared_cached -= 1;
+        }
         s.refs = (s.refs & MAX_REFS).saturating_sub(1);
         if s.refs == 0 {
             self.free.push(p);

@@ -55,8 +55,6 @@ pub enum RadixError {
     LockOverflow { node: u32 },
     #[error("cannot reset: {protected} tokens are locked ({locks} locks held); unlock them first")]
     Locked { protected: usize, locks: u64 },
-    #[error("page `{page}` is already stored in the cache under another key")]
-    PageInTree { page: u32 },
     #[error("radix cache invariant broken: {0}")]
     Corrupt(String),
 }
@@ -495,14 +493,11 @@ impl RadixCache {
         }
         let new: Vec<PageId> = if pos < aligned {
             let raw = &pages[pos / ps..full];
-            alloc.check_held(raw, Use::Share)?;
-            raw.iter().filter_map(|&p| alloc.page(p).ok()).collect()
+            alloc.check_held(raw, Use::Cache)?;
+            raw.iter().filter_map(|&p| PageId::new(p.to_i64() as u32)).collect()
         } else {
             Vec::new()
         };
-        if let Some(p) = new.iter().find(|&&p| alloc.is_cached(p)) {
-            return Err(RadixError::PageInTree { page: p.get() });
-        }
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
@@ -598,6 +593,8 @@ impl RadixCache {
         let mut leaves = self.lru.iter().copied().peekable();
         let mut exposed: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
         let mut gone: HashMap<u32, usize> = HashMap::new();
+        // With no cached page shared, every evicted page is freed: no need to look at each.
+        let exact = alloc.shared_cached() == 0;
         loop {
             let reached = match *goal {
                 Goal::Tokens(n) => plan.tokens >= n,
@@ -616,7 +613,11 @@ impl RadixCache {
             let n = self.node(id);
             plan.order.push(id);
             plan.tokens += n.key.len();
-            plan.freed_pages += n.pages.iter().filter(|&&p| alloc.ref_count(p) == 1).count();
+            plan.freed_pages += if exact {
+                n.pages.len()
+            } else {
+                n.pages.iter().filter(|&&p| alloc.ref_count(p) == 1).count()
+            };
             let parent = self.node(n.parent);
             if !parent.key.is_empty() && parent.lock == 0 {
                 let g = gone.entry(n.parent).or_insert(0);
@@ -802,6 +803,13 @@ impl RadixCache {
                 seen[i] = true;
             }
         }
+        let shared = (1..=alloc.num_pages() as u32)
+            .filter_map(PageId::new)
+            .filter(|&p| alloc.is_cached(p) && alloc.ref_count(p) >= 2)
+            .count();
+        if shared != alloc.shared_cached() {
+            return bad(format!("allocator counts {} shared cached pages, there are {shared}", alloc.shared_cached()));
+        }
         if (evictable, protected) != (self.evictable, self.protected) {
             return bad(format!(
                 "sizes: counted evictable {evictable} protected {protected}, kept {} {}",
@@ -975,7 +983,7 @@ mod tests {
         assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3, 4, 5], &p).unwrap(), 0);
         // The same page again under another key.
         let q = a.alloc(1).unwrap();
-        assert_eq!(c.insert(&mut a, &ns, &[7, 7, 8, 8], &[q[0], p[1]]).unwrap_err(), RadixError::PageInTree { page: p[1].get() });
+        assert_eq!(c.insert(&mut a, &ns, &[7, 7, 8, 8], &[q[0], p[1]]).unwrap_err(), RadixError::Page(AllocError::AlreadyCached { page: p[1].get() }));
         assert_eq!(c.total_size(), 4);
         c.check_invariants(&a).unwrap();
     }

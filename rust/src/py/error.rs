@@ -79,6 +79,7 @@ fn alloc_err(e: AllocError, msg: String) -> PyErr {
         | AllocError::NotAllocated { .. }
         | AllocError::Duplicate { .. }
         | AllocError::OnlyCached { .. }
+        | AllocError::AlreadyCached { .. }
         | AllocError::RefOverflow { .. } => PageError::new_err(msg),
     }
 }
@@ -93,7 +94,6 @@ fn radix_err(e: RadixError, msg: String) -> PyErr {
         RadixError::StaleHandle { .. } => StaleNodeError::new_err(msg),
         RadixError::NotLocked { .. } | RadixError::LockOverflow { .. } => LockError::new_err(msg),
         RadixError::Locked { .. } => CacheBusyError::new_err(msg),
-        RadixError::PageInTree { .. } => PageError::new_err(msg),
         RadixError::Corrupt(_) => CacheCorruptError::new_err(msg),
     }
 }
