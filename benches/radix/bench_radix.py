@@ -88,6 +88,7 @@ def replay(impl, reqs, pool_tokens, ps, timed):
     concat = np.concatenate if impl == "kvpool" else (lambda xs: xs[0] + xs[1])
     clock = time.perf_counter_ns
     t_match, t_insert, t_alloc, t_other = [], [], [], 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     if not timed:
         for prompt, full in reqs:
@@ -124,7 +125,7 @@ def replay(impl, reqs, pool_tokens, ps, timed):
             e = clock()
             t_other += e - s
     loop_s = time.perf_counter() - t0
-    out = {"loop_s": loop_s, "hit_rate": c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens)}
+    out = {"loop_s": loop_s, "loop_cpu_s": time.process_time() - c0, "hit_rate": c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens)}
     if timed:
         ns = np.array
         in_cache = (sum(t_match) + sum(t_insert) + sum(t_alloc) + t_other) / 1e9
@@ -186,12 +187,14 @@ def child(workload, ps, impl, repeats):
     gc.freeze()
     base = rss_mb()
     timed = replay(impl, reqs, pool, ps, timed=True)
-    clean = [replay(impl, reqs, pool, ps, timed=False)["loop_s"] for _ in range(repeats)]
+    runs = [replay(impl, reqs, pool, ps, timed=False) for _ in range(repeats)]
+    clean = [r["loop_s"] for r in runs]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     res = {
         "workload": workload, "page_size": ps, "impl": impl, "requests": len(reqs),
         "prompt_tokens": int(sum(len(p) for p, _ in reqs)), "pool_tokens": pool,
         "loop_s_best": min(clean), "loop_s_median": float(np.median(clean)), "loop_runs": clean,
+        "loop_cpu_s_best": min(r["loop_cpu_s"] for r in runs),
         "timed_pass": timed, "rss_after_requests_mb": base, "peak_rss_mb": peak,
         "match_4k": match_4k(impl, ps),
     }
@@ -211,7 +214,8 @@ def machine():
     import kvpool  # noqa: F401  (version of the extension under test)
 
     return {"cpu": model, "cores": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version(),
-            "numpy": np.__version__, "kind": f"{os.cpu_count()}-core {platform.machine()} CPU sandbox"}
+            "numpy": np.__version__, "kind": f"{os.cpu_count()}-core {platform.machine()} CPU sandbox",
+            "loadavg": os.getloadavg()}
 
 
 def report(results, mach):
@@ -219,14 +223,16 @@ def report(results, mach):
         "# Radix cache replay benchmark",
         "",
         f"Machine: {mach['kind']} ({mach['cpu']}), Python {mach['python']}, numpy {mach['numpy']}.",
-        "Other processes shared the 2 cores while this ran; numbers are best of the clean repeats.",
+        f"Other sessions' jobs shared the 2 cores (load average {mach['loadavg_start'][0]:.1f} at the start,",
+        f"{mach['loadavg'][0]:.1f} at the end), so loop times are the best of the clean repeats (kvpool: "
+        f"{mach['repeats']}; pure-Python: 1) and vary by about 2x between runs; CPU s is process time of the best run.",
         "",
         "Loop = the whole replay (match, lock, cache.alloc, insert, unlock, free per request), requests",
         "generated beforehand. SGLang's Python RadixCache on this machine kind: 1.06-1.54 s loop",
         "(0.80-1.20 s in cache calls), match_prefix p50 70-85 us (from the issue, not re-measured).",
         "",
-        "| workload | page | impl | loop s (best) | in-cache s | vs pure-Python | vs SGLang (1.06 s) | match p50 us | match ops/s | insert ops/s | alloc+evict ops/s | evict ops/s (2k tok) | hit rate | peak RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | page | impl | loop s (best) | CPU s | in-cache s | vs pure-Python | vs SGLang (1.06 s) | match p50 us | match ops/s | insert ops/s | alloc+evict ops/s | evict ops/s (2k tok) | hit rate | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     by = {(r["workload"], r["page_size"], r["impl"]): r for r in results}
     for r in results:
@@ -235,11 +241,21 @@ def report(results, mach):
         ratio = f"{ref['loop_s_best'] / r['loop_s_best']:.1f}x" if ref and r["impl"] == "kvpool" else ""
         sg = f"{SGLANG_LOOP_S[0] / r['loop_s_best']:.1f}x"
         lines.append(
-            f"| {r['workload']} | {r['page_size']} | {r['impl']} | {r['loop_s_best']:.4f} | {t['in_cache_s']:.4f} | {ratio} | {sg} "
+            f"| {r['workload']} | {r['page_size']} | {r['impl']} | {r['loop_s_best']:.4f} | {r['loop_cpu_s_best']:.4f} "
+            f"| {t['in_cache_s']:.4f} | {ratio} | {sg} "
             f"| {t['match_prefix']['p50_us']:.2f} | {t['match_prefix']['ops_per_s']:,.0f} | {t['insert']['ops_per_s']:,.0f} "
             f"| {t['alloc_with_evict']['ops_per_s']:,.0f} | {t['evict']['ops_per_s']:,.0f} | {t['hit_rate']:.3f} | {r['peak_rss_mb']:.0f} |"
         )
-    lines += ["", "match_prefix of a cached 4,096-token prompt (int32 tokens; int64 in brackets):", ""]
+    lines += [
+        "",
+        "in-cache s: time inside the cache calls of a separate pass with a timer around each call",
+        "(match, lock, cache.alloc, insert, unlock, free). alloc+evict: cache.alloc calls, which evict",
+        "LRU leaves when the pool is full. evict: evict(2048) calls emptying the full cache afterwards.",
+        "Hit rate: matched tokens / prompt tokens over the replay.",
+        "",
+        "match_prefix of a cached 4,096-token prompt (int32 tokens; int64 in brackets):",
+        "",
+    ]
     lines += ["| page | impl | p50 us | mean us | p99 us |", "| --- | --- | --- | --- | --- |"]
     seen = set()
     for r in results:
@@ -263,6 +279,7 @@ def main():
         child(w, int(ps), impl, args.repeats if impl == "kvpool" else 1)
         return
     results = []
+    load0 = os.getloadavg()
     for w in WORKLOADS:
         for ps in (1, 16):
             for impl in ("kvpool", "pyref"):
@@ -274,6 +291,8 @@ def main():
                       f"match p50 {r['timed_pass']['match_prefix']['p50_us']:.1f}us  hit {r['timed_pass']['hit_rate']:.3f}  "
                       f"peak {r['peak_rss_mb']:.0f}MB  4k-match p50 {r['match_4k']['p50_us']:.2f}us", flush=True)
     mach = machine()
+    mach["loadavg_start"] = load0
+    mach["repeats"] = args.repeats
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "radix_replay.json"), "w") as f:
         json.dump({"machine": mach, "sglang_reference": {"loop_s": SGLANG_LOOP_S, "in_cache_s": SGLANG_IN_CACHE_S,

@@ -416,11 +416,19 @@ impl RadixCache {
     /// Longest cached page-aligned prefix of `tokens` in namespace `ns`. Splits the edge where the
     /// match ends inside it, updates access times and the hit/miss counters. Takes no lock.
     pub fn match_prefix(&mut self, ns: &Namespace, tokens: &[i32]) -> Match {
+        let mut pages = Vec::new();
+        let (node, len) = self.match_prefix_with(ns, tokens, |p| pages.extend_from_slice(p));
+        Match { pages, node, len }
+    }
+
+    /// [`match_prefix`](Self::match_prefix) handing the matched pages to `sink`, one slice per
+    /// node in path order (so callers can write them straight into their own buffer).
+    /// Returns the handle and the matched length in tokens.
+    pub fn match_prefix_with(&mut self, ns: &Namespace, tokens: &[i32], mut sink: impl FnMut(&[PageId])) -> (Handle, usize) {
         self.clock += 1;
         let clock = self.clock;
         let ps = self.page_size;
         let aligned = tokens.len() / ps * ps;
-        let mut pages = Vec::new();
         let mut node = SUPER;
         let mut pos = 0;
         if let Some(&root) = self.roots.get(ns.as_bytes()) {
@@ -430,7 +438,7 @@ impl RadixCache {
                 let c = self.node(child);
                 let m = common_prefix(&c.key, &tokens[pos..aligned]) / ps * ps;
                 let whole = m == c.key.len();
-                pages.extend_from_slice(&c.pages[..m / ps]);
+                sink(&c.pages[..m / ps]);
                 pos += m;
                 cur = if whole { child } else { self.split(child, m) };
                 self.touch(cur, clock);
@@ -444,7 +452,7 @@ impl RadixCache {
         }
         self.hit += pos as u64;
         self.miss += (tokens.len() - pos) as u64;
-        Match { pages, node: self.handle(node), len: pos }
+        (self.handle(node), pos)
     }
 
     /// Caches the page-aligned part of `tokens` in namespace `ns`, `pages` holding one id per page

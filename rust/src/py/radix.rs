@@ -111,8 +111,10 @@ impl PyRadixCache {
     fn match_prefix<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, namespace: Option<&Bound<'py, PyAny>>) -> PyResult<MatchTuple<'py>> {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
-        let m = guard(&self.cache).match_prefix(&ns, &arr.tokens("tokens")?);
-        Ok((page_array(py, &m.pages), PyRadixNode(m.node), m.len))
+        let tokens = arr.tokens("tokens")?;
+        let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / guard(&self.cache).page_size());
+        let (node, len) = guard(&self.cache).match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
+        Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
     #[pyo3(signature = (tokens, pages, namespace=None))]
