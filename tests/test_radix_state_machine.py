@@ -381,9 +381,19 @@ class CacheMachine(RuleBasedStateMachine):
                 for k in self.path(h[1]):
                     self.entries[k].lock -= 1
 
+    @precondition(lambda self: self.entries)
+    @rule(ns=st.integers(0, len(NAMESPACES) - 1), data=st.data())
+    def match_then_evict(self, ns, data):
+        """Use an entry, then evict one page: the entry just used must not be the one to go
+        while an older unlocked leaf remains."""
+        self.do_match(ns, self.draw_tokens(data))
+        self.do_evict(1)
+
     @rule(pages=st.integers(0, 2), extra=st.integers(0, 1))
     def evict(self, pages, extra):
-        n = pages * self.PAGE_SIZE + extra
+        self.do_evict(pages * self.PAGE_SIZE + extra)
+
+    def do_evict(self, n):
         freed = self.c.evict(n)
         removed = self.sync_evictions()
         assert freed == removed * self.PAGE_SIZE
