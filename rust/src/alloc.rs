@@ -56,7 +56,11 @@ pub enum AllocError {
     #[error("pool of `{num_pages}` pages x `{page_size}` tokens (plus the padding page) has more slots than int32 slot indices can address")]
     TooManySlots { num_pages: u64, page_size: u64 },
     #[error("out of pages: asked for `{requested}`, {free} free, {evictable} more reclaimable by evicting unlocked cache entries")]
-    OutOfPages { requested: usize, free: usize, evictable: usize },
+    OutOfPages {
+        requested: usize,
+        free: usize,
+        evictable: usize,
+    },
     #[error("page `0` is the reserved padding page: it is never allocated, freed or shared")]
     PaddingPage,
     #[error("page `{page}` is out of range: usable pages are 1..={num_pages}")]
@@ -91,7 +95,12 @@ pub fn count(what: &'static str, value: i64) -> Result<usize, AllocError> {
 pub fn narrow_pages(pages: &[i64]) -> Result<Vec<i32>, AllocError> {
     pages
         .iter()
-        .map(|&p| i32::try_from(p).map_err(|_| AllocError::OutOfRange { page: p, num_pages: i32::MAX as u32 }))
+        .map(|&p| {
+            i32::try_from(p).map_err(|_| AllocError::OutOfRange {
+                page: p,
+                num_pages: i32::MAX as u32,
+            })
+        })
         .collect()
 }
 
@@ -164,14 +173,27 @@ impl PageAllocator {
         if page_size == 0 {
             return Err(AllocError::ZeroPageSize);
         }
-        let slots = num_pages.checked_add(1).and_then(|n| n.checked_mul(page_size));
+        let slots = num_pages
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(page_size));
         if slots.is_none_or(|s| s > i32::MAX as u64) {
-            return Err(AllocError::TooManySlots { num_pages, page_size });
+            return Err(AllocError::TooManySlots {
+                num_pages,
+                page_size,
+            });
         }
         let n = num_pages as u32;
         // Stack order: the first `alloc` returns 1, 2, 3, ...
         let free = (1..=n).rev().filter_map(PageId::new).collect();
-        Ok(Self { id: next_id(), page_size: page_size as u32, num_pages: n, slots: vec![Slot::default(); n as usize + 1], free, stamp: 0, shared_cached: 0 })
+        Ok(Self {
+            id: next_id(),
+            page_size: page_size as u32,
+            num_pages: n,
+            slots: vec![Slot::default(); n as usize + 1],
+            free,
+            stamp: 0,
+            shared_cached: 0,
+        })
     }
 
     pub const fn num_pages(&self) -> usize {
@@ -209,7 +231,11 @@ impl PageAllocator {
     /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, AllocError> {
         if n > self.free.len() {
-            return Err(AllocError::OutOfPages { requested: n, free: self.free.len(), evictable: 0 });
+            return Err(AllocError::OutOfPages {
+                requested: n,
+                free: self.free.len(),
+                evictable: 0,
+            });
         }
         let start = self.free.len() - n;
         let out: Vec<PageId> = self.free[start..].iter().rev().copied().collect();
@@ -267,14 +293,21 @@ impl PageAllocator {
             return Err(AllocError::PaddingPage);
         }
         if v < 0 || v > i64::from(self.num_pages) {
-            return Err(AllocError::OutOfRange { page: v, num_pages: self.num_pages });
+            return Err(AllocError::OutOfRange {
+                page: v,
+                num_pages: self.num_pages,
+            });
         }
         PageId::new(v as u32).ok_or(AllocError::PaddingPage)
     }
 
     /// Validates that every page is usable, allocated and listed once, and allowed for `what`.
     /// Changes no reference count.
-    pub(crate) fn check_held<P: RawPage>(&mut self, pages: &[P], what: Use) -> Result<(), AllocError> {
+    pub(crate) fn check_held<P: RawPage>(
+        &mut self,
+        pages: &[P],
+        what: Use,
+    ) -> Result<(), AllocError> {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
             self.slots.iter_mut().for_each(|s| s.seen = 0);
@@ -292,9 +325,15 @@ impl PageAllocator {
                 return Err(AllocError::Duplicate { page: p.get() });
             }
             match what {
-                Use::Free if count == u32::from(s.cached()) => return Err(AllocError::OnlyCached { page: p.get() }),
-                Use::Share | Use::Cache if count == MAX_REFS => return Err(AllocError::RefOverflow { page: p.get() }),
-                Use::Cache if s.cached() => return Err(AllocError::AlreadyCached { page: p.get() }),
+                Use::Free if count == u32::from(s.cached()) => {
+                    return Err(AllocError::OnlyCached { page: p.get() })
+                }
+                Use::Share | Use::Cache if count == MAX_REFS => {
+                    return Err(AllocError::RefOverflow { page: p.get() })
+                }
+                Use::Cache if s.cached() => {
+                    return Err(AllocError::AlreadyCached { page: p.get() })
+                }
                 _ => {}
             }
             s.seen = stamp;
@@ -318,7 +357,11 @@ impl PageAllocator {
     /// Drops the cache's reference on a page it holds.
     pub(crate) fn release_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
-        debug_assert!(s.cached() && s.count() > 0, "release of page {} the cache does not hold", p.get());
+        debug_assert!(
+            s.cached() && s.count() > 0,
+            "release of page {} the cache does not hold",
+            p.get()
+        );
         if s.count() >= 2 {
             self.shared_cached -= 1;
         }
@@ -370,11 +413,20 @@ mod tests {
     #[test]
     fn new_rejects_bad_sizes() {
         assert_eq!(PageAllocator::new(0, 1).unwrap_err(), AllocError::ZeroPages);
-        assert_eq!(PageAllocator::new(1, 0).unwrap_err(), AllocError::ZeroPageSize);
+        assert_eq!(
+            PageAllocator::new(1, 0).unwrap_err(),
+            AllocError::ZeroPageSize
+        );
         // (3 + 1) * 2^29 = 2^31 > i32::MAX; one page less fits.
-        assert!(matches!(PageAllocator::new(3, 1 << 29), Err(AllocError::TooManySlots { .. })));
+        assert!(matches!(
+            PageAllocator::new(3, 1 << 29),
+            Err(AllocError::TooManySlots { .. })
+        ));
         assert!(PageAllocator::new(2, 1 << 29).is_ok());
-        assert!(matches!(PageAllocator::new(u64::MAX, 2), Err(AllocError::TooManySlots { .. })));
+        assert!(matches!(
+            PageAllocator::new(u64::MAX, 2),
+            Err(AllocError::TooManySlots { .. })
+        ));
     }
 
     #[test]
@@ -384,7 +436,14 @@ mod tests {
         assert_eq!(a.num_free(), 1);
         assert_eq!(a.num_used(), 3);
         let err = a.alloc(2).unwrap_err();
-        assert_eq!(err, AllocError::OutOfPages { requested: 2, free: 1, evictable: 0 });
+        assert_eq!(
+            err,
+            AllocError::OutOfPages {
+                requested: 2,
+                free: 1,
+                evictable: 0
+            }
+        );
         assert_eq!(a.num_free(), 1, "failed alloc changes nothing");
         assert_eq!(ids(&a.alloc(1).unwrap()), vec![4]);
         assert!(a.alloc(0).unwrap().is_empty());
@@ -397,7 +456,10 @@ mod tests {
             let mut a = PageAllocator::new(4, ps).unwrap();
             let p = a.alloc(1).unwrap();
             a.free(&p).unwrap();
-            assert_eq!(a.free(&p).unwrap_err(), AllocError::NotAllocated { page: p[0].get() });
+            assert_eq!(
+                a.free(&p).unwrap_err(),
+                AllocError::NotAllocated { page: p[0].get() }
+            );
             assert_eq!(a.num_free(), 4);
             let x = a.alloc(2).unwrap();
             let y = a.alloc(2).unwrap();
@@ -406,9 +468,19 @@ mod tests {
             all.sort_unstable();
             all.dedup();
             assert_eq!(all.len(), 4, "four distinct pages");
-            assert!(matches!(a.alloc(1), Err(AllocError::OutOfPages { requested: 1, free: 0, .. })));
+            assert!(matches!(
+                a.alloc(1),
+                Err(AllocError::OutOfPages {
+                    requested: 1,
+                    free: 0,
+                    ..
+                })
+            ));
             let q = x[0];
-            assert_eq!(a.free(&[q, q]).unwrap_err(), AllocError::Duplicate { page: q.get() });
+            assert_eq!(
+                a.free(&[q, q]).unwrap_err(),
+                AllocError::Duplicate { page: q.get() }
+            );
             assert_eq!(a.ref_count(q), 1, "q untouched by the rejected call");
 
             let mut a = PageAllocator::new(4, ps).unwrap();
@@ -418,7 +490,11 @@ mod tests {
             a.free(&p).unwrap();
             assert_eq!(a.num_free(), 3);
             a.free(&p).unwrap();
-            assert_eq!(a.num_free(), 4, "returned exactly once, on the second release");
+            assert_eq!(
+                a.num_free(),
+                4,
+                "returned exactly once, on the second release"
+            );
             assert!(a.free(&p).is_err());
             assert_eq!(a.num_free(), 4);
         }
@@ -428,14 +504,26 @@ mod tests {
     fn free_is_atomic_on_any_bad_id() {
         let mut a = PageAllocator::new(4, 1).unwrap();
         let p = a.alloc(2).unwrap();
-        for bad in [vec![1i64, 0], vec![1, 5], vec![1, -1], vec![1, 3], vec![2, 1, 2]] {
+        for bad in [
+            vec![1i64, 0],
+            vec![1, 5],
+            vec![1, -1],
+            vec![1, 3],
+            vec![2, 1, 2],
+        ] {
             assert!(a.free(&bad).is_err(), "{bad:?}");
             assert_eq!(a.num_free(), 2);
             assert_eq!(a.ref_count(p[0]), 1);
             assert_eq!(a.ref_count(p[1]), 1);
         }
         assert_eq!(a.free(&[0i32]).unwrap_err(), AllocError::PaddingPage);
-        assert_eq!(a.free(&[9i32]).unwrap_err(), AllocError::OutOfRange { page: 9, num_pages: 4 });
+        assert_eq!(
+            a.free(&[9i32]).unwrap_err(),
+            AllocError::OutOfRange {
+                page: 9,
+                num_pages: 4
+            }
+        );
         assert!(a.inc_ref(&[3i32]).is_err(), "cannot share a free page");
     }
 
@@ -445,7 +533,10 @@ mod tests {
         let p = a.alloc(1).unwrap();
         a.retain_cached(p[0]);
         a.free(&p).unwrap();
-        assert_eq!(a.free(&p).unwrap_err(), AllocError::OnlyCached { page: p[0].get() });
+        assert_eq!(
+            a.free(&p).unwrap_err(),
+            AllocError::OnlyCached { page: p[0].get() }
+        );
         assert_eq!(a.ref_count(p[0]), 1);
         a.release_cached(p[0]);
         assert_eq!(a.num_free(), 2);
@@ -465,7 +556,13 @@ mod tests {
     #[test]
     fn helpers() {
         assert_eq!(count("n", 3), Ok(3));
-        assert_eq!(count("n", -1), Err(AllocError::Negative { what: "n", value: -1 }));
+        assert_eq!(
+            count("n", -1),
+            Err(AllocError::Negative {
+                what: "n",
+                value: -1
+            })
+        );
         assert_eq!(narrow_pages(&[1, 2]), Ok(vec![1, 2]));
         assert!(narrow_pages(&[1 << 40]).is_err());
     }

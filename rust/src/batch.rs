@@ -31,29 +31,62 @@ pub enum BatchError {
     #[error("`page_size` must be at least 1, got 0")]
     ZeroPageSize,
     #[error("`{what}` has {got} entries, expected {expected}")]
-    Length { what: &'static str, expected: usize, got: usize },
+    Length {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
     #[error("`{what}[{index}]` is negative: `{value}`")]
-    Negative { what: &'static str, index: usize, value: i64 },
+    Negative {
+        what: &'static str,
+        index: usize,
+        value: i64,
+    },
     #[error("request {index}: `seq_lens` {seq} is below `prefix_lens` {prefix}")]
     SeqBeforePrefix { index: usize, prefix: i64, seq: i64 },
     #[error("request {index} needs {pages} pages, but the page table has `max_pages` = {max_pages} columns")]
-    TooManyPages { index: usize, pages: usize, max_pages: usize },
+    TooManyPages {
+        index: usize,
+        pages: usize,
+        max_pages: usize,
+    },
     #[error("request {index}: token {position} falls in page-table entry {entry}, which holds page `{page}` (padding or invalid): assign its pages first")]
-    MissingPage { index: usize, position: i64, entry: usize, page: i32 },
+    MissingPage {
+        index: usize,
+        position: i64,
+        entry: usize,
+        page: i32,
+    },
     #[error("request {index}: slot of token {position} (page `{page}`) exceeds the int32 range")]
-    SlotOverflow { index: usize, position: i64, page: i32 },
+    SlotOverflow {
+        index: usize,
+        position: i64,
+        page: i32,
+    },
 }
 
 fn check_lens(prefix: &[i64], seq: &[i64]) -> Result<(), BatchError> {
     if prefix.len() != seq.len() {
-        return Err(BatchError::Length { what: "prefix_lens", expected: seq.len(), got: prefix.len() });
+        return Err(BatchError::Length {
+            what: "prefix_lens",
+            expected: seq.len(),
+            got: prefix.len(),
+        });
     }
     for (index, (&p, &s)) in prefix.iter().zip(seq).enumerate() {
         if p < 0 {
-            return Err(BatchError::Negative { what: "prefix_lens", index, value: p });
+            return Err(BatchError::Negative {
+                what: "prefix_lens",
+                index,
+                value: p,
+            });
         }
         if s < p {
-            return Err(BatchError::SeqBeforePrefix { index, prefix: p, seq: s });
+            return Err(BatchError::SeqBeforePrefix {
+                index,
+                prefix: p,
+                seq: s,
+            });
         }
     }
     Ok(())
@@ -72,14 +105,26 @@ fn pages_for(tokens: i64, ps: usize) -> usize {
 pub fn page_table(rows: &[&[i32]], max_pages: usize, out: &mut [i32]) -> Result<(), BatchError> {
     let expected = rows.len() * max_pages;
     if out.len() != expected {
-        return Err(BatchError::Length { what: "out", expected, got: out.len() });
+        return Err(BatchError::Length {
+            what: "out",
+            expected,
+            got: out.len(),
+        });
     }
     for (index, row) in rows.iter().enumerate() {
         if row.len() > max_pages {
-            return Err(BatchError::TooManyPages { index, pages: row.len(), max_pages });
+            return Err(BatchError::TooManyPages {
+                index,
+                pages: row.len(),
+                max_pages,
+            });
         }
         if let Some(&p) = row.iter().find(|&&p| p < 0) {
-            return Err(BatchError::Negative { what: "pages", index, value: i64::from(p) });
+            return Err(BatchError::Negative {
+                what: "pages",
+                index,
+                value: i64::from(p),
+            });
         }
     }
     for (row, dst) in rows.iter().zip(out.chunks_exact_mut(max_pages.max(1))) {
@@ -100,7 +145,11 @@ pub fn pages_needed(prefix: &[i64], seq: &[i64], page_size: usize) -> Result<Vec
         return Err(BatchError::ZeroPageSize);
     }
     check_lens(prefix, seq)?;
-    Ok(prefix.iter().zip(seq).map(|(&p, &s)| (pages_for(s, page_size) - pages_for(p, page_size)) as i32).collect())
+    Ok(prefix
+        .iter()
+        .zip(seq)
+        .map(|(&p, &s)| (pages_for(s, page_size) - pages_for(p, page_size)) as i32)
+        .collect())
 }
 
 /// Writes `new_pages` (in batch order, [`pages_needed`] per request) into the page-table entries
@@ -120,15 +169,27 @@ pub fn assign_pages(
     let needed = pages_needed(prefix, seq, page_size)?;
     let expected = seq.len() * max_pages;
     if table.len() != expected {
-        return Err(BatchError::Length { what: "page_table", expected, got: table.len() });
+        return Err(BatchError::Length {
+            what: "page_table",
+            expected,
+            got: table.len(),
+        });
     }
     let total: usize = needed.iter().map(|&n| n as usize).sum();
     if new_pages.len() != total {
-        return Err(BatchError::Length { what: "new_pages", expected: total, got: new_pages.len() });
+        return Err(BatchError::Length {
+            what: "new_pages",
+            expected: total,
+            got: new_pages.len(),
+        });
     }
     for (index, &s) in seq.iter().enumerate() {
         if pages_for(s, page_size) > max_pages {
-            return Err(BatchError::TooManyPages { index, pages: pages_for(s, page_size), max_pages });
+            return Err(BatchError::TooManyPages {
+                index,
+                pages: pages_for(s, page_size),
+                max_pages,
+            });
         }
     }
     let mut next = 0;
@@ -141,17 +202,36 @@ pub fn assign_pages(
     Ok(())
 }
 
-fn slot(table: &[i32], max_pages: usize, index: usize, pos: i64, ps: usize) -> Result<i32, BatchError> {
+fn slot(
+    table: &[i32],
+    max_pages: usize,
+    index: usize,
+    pos: i64,
+    ps: usize,
+) -> Result<i32, BatchError> {
     let entry = (pos as u64 / ps as u64) as usize;
     if entry >= max_pages {
-        return Err(BatchError::TooManyPages { index, pages: entry + 1, max_pages });
+        return Err(BatchError::TooManyPages {
+            index,
+            pages: entry + 1,
+            max_pages,
+        });
     }
     let page = table[index * max_pages + entry];
     if page <= PADDING_PAGE as i32 {
-        return Err(BatchError::MissingPage { index, position: pos, entry, page });
+        return Err(BatchError::MissingPage {
+            index,
+            position: pos,
+            entry,
+            page,
+        });
     }
     let s = i64::from(page) * ps as i64 + pos % ps as i64;
-    i32::try_from(s).map_err(|_| BatchError::SlotOverflow { index, position: pos, page })
+    i32::try_from(s).map_err(|_| BatchError::SlotOverflow {
+        index,
+        position: pos,
+        page,
+    })
 }
 
 /// Number of new tokens of an extend batch: `sum(seq - prefix)`.
@@ -160,7 +240,11 @@ fn slot(table: &[i32], max_pages: usize, index: usize, pos: i64, ps: usize) -> R
 /// As [`pages_needed`]'s length checks.
 pub fn num_new_tokens(prefix: &[i64], seq: &[i64]) -> Result<usize, BatchError> {
     check_lens(prefix, seq)?;
-    Ok(prefix.iter().zip(seq).map(|(&p, &s)| (s - p) as usize).sum())
+    Ok(prefix
+        .iter()
+        .zip(seq)
+        .map(|(&p, &s)| (s - p) as usize)
+        .sum())
 }
 
 /// Slot indices of tokens `prefix..seq` of every request, in batch order, into `out`
@@ -183,10 +267,18 @@ pub fn extend_slots(
     let total = num_new_tokens(prefix, seq)?;
     let expected = seq.len() * max_pages;
     if table.len() != expected {
-        return Err(BatchError::Length { what: "page_table", expected, got: table.len() });
+        return Err(BatchError::Length {
+            what: "page_table",
+            expected,
+            got: table.len(),
+        });
     }
     if out.len() != total {
-        return Err(BatchError::Length { what: "out", expected: total, got: out.len() });
+        return Err(BatchError::Length {
+            what: "out",
+            expected: total,
+            got: out.len(),
+        });
     }
     // Validate first (first and last token of each page touched), then write.
     for (index, (&p, &s)) in prefix.iter().zip(seq).enumerate() {
@@ -213,20 +305,38 @@ pub fn extend_slots(
 ///
 /// # Errors
 /// [`BatchError::Negative`] for `seq < 1`, and as [`extend_slots`].
-pub fn decode_slots(table: &[i32], max_pages: usize, seq: &[i64], page_size: usize, out: &mut [i32]) -> Result<(), BatchError> {
+pub fn decode_slots(
+    table: &[i32],
+    max_pages: usize,
+    seq: &[i64],
+    page_size: usize,
+    out: &mut [i32],
+) -> Result<(), BatchError> {
     if page_size == 0 {
         return Err(BatchError::ZeroPageSize);
     }
     let expected = seq.len() * max_pages;
     if table.len() != expected {
-        return Err(BatchError::Length { what: "page_table", expected, got: table.len() });
+        return Err(BatchError::Length {
+            what: "page_table",
+            expected,
+            got: table.len(),
+        });
     }
     if out.len() != seq.len() {
-        return Err(BatchError::Length { what: "out", expected: seq.len(), got: out.len() });
+        return Err(BatchError::Length {
+            what: "out",
+            expected: seq.len(),
+            got: out.len(),
+        });
     }
     for (index, &s) in seq.iter().enumerate() {
         if s < 1 {
-            return Err(BatchError::Negative { what: "seq_lens - 1", index, value: s - 1 });
+            return Err(BatchError::Negative {
+                what: "seq_lens - 1",
+                index,
+                value: s - 1,
+            });
         }
         slot(table, max_pages, index, s - 1, page_size)?;
     }
@@ -245,8 +355,14 @@ mod tests {
         let mut out = vec![-1; 6];
         page_table(&[&[3, 4], &[], &[5]], 2, &mut out).unwrap();
         assert_eq!(out, vec![3, 4, 0, 0, 5, 0]);
-        assert!(matches!(page_table(&[&[1, 2, 3]], 2, &mut [0; 2]), Err(BatchError::TooManyPages { index: 0, .. })));
-        assert!(matches!(page_table(&[&[1]], 2, &mut [0; 3]), Err(BatchError::Length { .. })));
+        assert!(matches!(
+            page_table(&[&[1, 2, 3]], 2, &mut [0; 2]),
+            Err(BatchError::TooManyPages { index: 0, .. })
+        ));
+        assert!(matches!(
+            page_table(&[&[1]], 2, &mut [0; 3]),
+            Err(BatchError::Length { .. })
+        ));
         let mut empty: [i32; 0] = [];
         page_table(&[&[], &[]], 0, &mut empty).unwrap();
     }
@@ -262,7 +378,10 @@ mod tests {
         assert_eq!(table, vec![5, 6, 9, 0]);
         let mut out = vec![0; 20];
         extend_slots(&table, 4, &prefix, &seq, ps, &mut out).unwrap();
-        let expect: Vec<i32> = (20..32).map(|t| 6 * 16 + (t % 16)).chain((32..40).map(|t| 9 * 16 + (t % 16))).collect();
+        let expect: Vec<i32> = (20..32)
+            .map(|t| 6 * 16 + (t % 16))
+            .chain((32..40).map(|t| 9 * 16 + (t % 16)))
+            .collect();
         assert_eq!(out, expect);
         let mut d = vec![0];
         decode_slots(&table, 4, &[40], ps, &mut d).unwrap();
@@ -274,16 +393,45 @@ mod tests {
         let table = vec![5, 0];
         let mut out = vec![-7; 3];
         let err = extend_slots(&table, 2, &[0], &[3], 2, &mut out).unwrap_err();
-        assert_eq!(err, BatchError::MissingPage { index: 0, position: 2, entry: 1, page: 0 });
+        assert_eq!(
+            err,
+            BatchError::MissingPage {
+                index: 0,
+                position: 2,
+                entry: 1,
+                page: 0
+            }
+        );
         assert_eq!(out, vec![-7; 3]);
-        assert!(matches!(extend_slots(&table, 2, &[2], &[1], 2, &mut [0; 0]), Err(BatchError::SeqBeforePrefix { .. })));
-        assert!(matches!(pages_needed(&[-1], &[1], 2), Err(BatchError::Negative { .. })));
-        assert!(matches!(pages_needed(&[0], &[1, 2], 2), Err(BatchError::Length { .. })));
+        assert!(matches!(
+            extend_slots(&table, 2, &[2], &[1], 2, &mut [0; 0]),
+            Err(BatchError::SeqBeforePrefix { .. })
+        ));
+        assert!(matches!(
+            pages_needed(&[-1], &[1], 2),
+            Err(BatchError::Negative { .. })
+        ));
+        assert!(matches!(
+            pages_needed(&[0], &[1, 2], 2),
+            Err(BatchError::Length { .. })
+        ));
         let mut t = vec![1, 0];
-        assert!(matches!(assign_pages(&mut t, 2, &[0], &[5], &[1, 2, 3], 2), Err(BatchError::TooManyPages { .. })));
-        assert!(matches!(assign_pages(&mut t, 2, &[0], &[3], &[1], 2), Err(BatchError::Length { what: "new_pages", .. })));
+        assert!(matches!(
+            assign_pages(&mut t, 2, &[0], &[5], &[1, 2, 3], 2),
+            Err(BatchError::TooManyPages { .. })
+        ));
+        assert!(matches!(
+            assign_pages(&mut t, 2, &[0], &[3], &[1], 2),
+            Err(BatchError::Length {
+                what: "new_pages",
+                ..
+            })
+        ));
         assert_eq!(t, vec![1, 0]);
-        assert!(matches!(decode_slots(&[1], 1, &[0], 1, &mut [0]), Err(BatchError::Negative { .. })));
+        assert!(matches!(
+            decode_slots(&[1], 1, &[0], 1, &mut [0]),
+            Err(BatchError::Negative { .. })
+        ));
         assert!(matches!(
             extend_slots(&[i32::MAX], 1, &[0], &[1], 2, &mut [0]),
             Err(BatchError::SlotOverflow { .. })

@@ -44,7 +44,13 @@ pub enum RadixError {
     #[error("cache `page_size` {cache} differs from the allocator's page_size {allocator}")]
     PageSizeMismatch { cache: usize, allocator: usize },
     #[error("`pages` has {pages} entries, but {tokens} tokens at page_size {page_size} need {full} (whole pages) or {ceil} (with the partial last page)")]
-    LengthMismatch { tokens: usize, pages: usize, page_size: usize, full: usize, ceil: usize },
+    LengthMismatch {
+        tokens: usize,
+        pages: usize,
+        page_size: usize,
+        full: usize,
+        ceil: usize,
+    },
     #[error("token `{value}` at index {index} does not fit in int32")]
     TokenOutOfRange { index: usize, value: i64 },
     #[error("stale node handle `{node}`: the node was evicted, the cache was reset, or the handle belongs to another cache")]
@@ -67,7 +73,9 @@ pub fn narrow_tokens(tokens: &[i64]) -> Result<Vec<i32>, RadixError> {
     tokens
         .iter()
         .enumerate()
-        .map(|(index, &value)| i32::try_from(value).map_err(|_| RadixError::TokenOutOfRange { index, value }))
+        .map(|(index, &value)| {
+            i32::try_from(value).map_err(|_| RadixError::TokenOutOfRange { index, value })
+        })
         .collect()
 }
 
@@ -110,7 +118,8 @@ impl NamespaceBuilder {
     }
     fn item(&mut self, tag: u8, payload: &[u8]) -> &mut Self {
         self.0.push(tag);
-        self.0.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        self.0
+            .extend_from_slice(&(payload.len() as u64).to_le_bytes());
         self.0.extend_from_slice(payload);
         self
     }
@@ -262,13 +271,20 @@ impl RadixCache {
     /// [`RadixError::PageSizeMismatch`].
     pub fn new(alloc: &PageAllocator, page_size: usize) -> Result<Self, RadixError> {
         if page_size != alloc.page_size() {
-            return Err(RadixError::PageSizeMismatch { cache: page_size, allocator: alloc.page_size() });
+            return Err(RadixError::PageSizeMismatch {
+                cache: page_size,
+                allocator: alloc.page_size(),
+            });
         }
         Ok(Self {
             page_size,
             alloc_id: alloc.id(),
             epoch: next_id(),
-            nodes: vec![Node { parent: NONE, live: true, ..Node::default() }],
+            nodes: vec![Node {
+                parent: NONE,
+                live: true,
+                ..Node::default()
+            }],
             free_slots: Vec::new(),
             roots: HashMap::new(),
             lru: BTreeSet::new(),
@@ -305,7 +321,10 @@ impl RadixCache {
     }
     /// Live nodes holding tokens.
     pub fn num_nodes(&self) -> usize {
-        self.nodes.iter().filter(|n| n.live && !n.key.is_empty()).count()
+        self.nodes
+            .iter()
+            .filter(|n| n.live && !n.key.is_empty())
+            .count()
     }
 
     fn check_alloc(&self, alloc: &PageAllocator) -> Result<(), RadixError> {
@@ -317,7 +336,11 @@ impl RadixCache {
     }
 
     fn handle(&self, id: u32) -> Handle {
-        Handle { node: NodeId(id), generation: self.nodes[id as usize].generation, epoch: self.epoch }
+        Handle {
+            node: NodeId(id),
+            generation: self.nodes[id as usize].generation,
+            epoch: self.epoch,
+        }
     }
 
     fn resolve(&self, h: Handle) -> Result<u32, RadixError> {
@@ -349,7 +372,11 @@ impl RadixCache {
 
     fn free_node(&mut self, id: u32) {
         let generation = self.node(id).generation.wrapping_add(1);
-        self.nodes[id as usize] = Node { generation, parent: NONE, ..Node::default() };
+        self.nodes[id as usize] = Node {
+            generation,
+            parent: NONE,
+            ..Node::default()
+        };
         self.free_slots.push(id);
     }
 
@@ -424,7 +451,12 @@ impl RadixCache {
     /// [`match_prefix`](Self::match_prefix) handing the matched pages to `sink`, one slice per
     /// node in path order (so callers can write them straight into their own buffer).
     /// Returns the handle and the matched length in tokens.
-    pub fn match_prefix_with(&mut self, ns: &Namespace, tokens: &[i32], mut sink: impl FnMut(&[PageId])) -> (Handle, usize) {
+    pub fn match_prefix_with(
+        &mut self,
+        ns: &Namespace,
+        tokens: &[i32],
+        mut sink: impl FnMut(&[PageId]),
+    ) -> (Handle, usize) {
         self.clock += 1;
         let clock = self.clock;
         let ps = self.page_size;
@@ -434,7 +466,9 @@ impl RadixCache {
         if let Some(&root) = self.roots.get(ns.as_bytes()) {
             let mut cur = root;
             while pos < aligned {
-                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else { break };
+                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else {
+                    break;
+                };
                 let c = self.node(child);
                 let m = common_prefix(&c.key, &tokens[pos..aligned]) / ps * ps;
                 let whole = m == c.key.len();
@@ -476,7 +510,13 @@ impl RadixCache {
         let ps = self.page_size;
         let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
         if pages.len() != full && pages.len() != ceil {
-            return Err(RadixError::LengthMismatch { tokens: tokens.len(), pages: pages.len(), page_size: ps, full, ceil });
+            return Err(RadixError::LengthMismatch {
+                tokens: tokens.len(),
+                pages: pages.len(),
+                page_size: ps,
+                full,
+                ceil,
+            });
         }
         let aligned = full * ps;
         // Read-only walk: whole nodes on the path, then where the walk stops inside an edge.
@@ -487,7 +527,9 @@ impl RadixCache {
         if let Some(root) = root {
             let mut cur = root;
             while pos < aligned {
-                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else { break };
+                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else {
+                    break;
+                };
                 let key = &self.node(child).key;
                 let m = common_prefix(key, &tokens[pos..aligned]) / ps * ps;
                 pos += m;
@@ -502,7 +544,9 @@ impl RadixCache {
         let new: Vec<PageId> = if pos < aligned {
             let raw = &pages[pos / ps..full];
             alloc.check_held(raw, Use::Cache)?;
-            raw.iter().filter_map(|&p| PageId::new(p.to_i64() as u32)).collect()
+            raw.iter()
+                .filter_map(|&p| PageId::new(p.to_i64() as u32))
+                .collect()
         } else {
             Vec::new()
         };
@@ -521,7 +565,11 @@ impl RadixCache {
             return Ok(pos);
         }
         if parent == NONE {
-            parent = self.new_node(Node { parent: NONE, ns: Some(ns.as_bytes().into()), ..Node::default() });
+            parent = self.new_node(Node {
+                parent: NONE,
+                ns: Some(ns.as_bytes().into()),
+                ..Node::default()
+            });
             self.roots.insert(ns.as_bytes().into(), parent);
         }
         for &p in &new {
@@ -534,7 +582,9 @@ impl RadixCache {
             last_access: clock,
             ..Node::default()
         });
-        self.node_mut(parent).children.insert(tokens[pos..pos + ps].into(), leaf);
+        self.node_mut(parent)
+            .children
+            .insert(tokens[pos..pos + ps].into(), leaf);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -597,7 +647,11 @@ impl RadixCache {
     /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
     /// once all their children are gone. Changes nothing; stops early when the goal is reached.
     fn plan(&self, alloc: &PageAllocator, goal: &Goal) -> Plan {
-        let mut plan = Plan { order: Vec::new(), tokens: 0, freed_pages: 0 };
+        let mut plan = Plan {
+            order: Vec::new(),
+            tokens: 0,
+            freed_pages: 0,
+        };
         let mut leaves = self.lru.iter().copied().peekable();
         let mut exposed: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
         let mut gone: HashMap<u32, usize> = HashMap::new();
@@ -678,7 +732,11 @@ impl RadixCache {
     ///
     /// # Errors
     /// [`RadixError::WrongAllocator`].
-    pub fn evict(&mut self, alloc: &mut PageAllocator, num_tokens: usize) -> Result<usize, RadixError> {
+    pub fn evict(
+        &mut self,
+        alloc: &mut PageAllocator,
+        num_tokens: usize,
+    ) -> Result<usize, RadixError> {
         self.check_alloc(alloc)?;
         let plan = self.plan(alloc, &Goal::Tokens(num_tokens));
         self.apply(alloc, &plan);
@@ -690,13 +748,22 @@ impl RadixCache {
     /// # Errors
     /// [`AllocError::OutOfPages`] (with the pages eviction could reclaim) when even evicting
     /// everything evictable would not free enough; nothing is evicted or allocated then.
-    pub fn alloc(&mut self, alloc: &mut PageAllocator, n: usize) -> Result<Vec<PageId>, RadixError> {
+    pub fn alloc(
+        &mut self,
+        alloc: &mut PageAllocator,
+        n: usize,
+    ) -> Result<Vec<PageId>, RadixError> {
         self.check_alloc(alloc)?;
         let free = alloc.num_free();
         if n > free {
             let plan = self.plan(alloc, &Goal::FreePages(n - free));
             if plan.freed_pages < n - free {
-                return Err(AllocError::OutOfPages { requested: n, free, evictable: plan.freed_pages }.into());
+                return Err(AllocError::OutOfPages {
+                    requested: n,
+                    free,
+                    evictable: plan.freed_pages,
+                }
+                .into());
             }
             self.apply(alloc, &plan);
         }
@@ -710,9 +777,17 @@ impl RadixCache {
     /// [`RadixError::Locked`] while any lock is held; nothing changes then.
     pub fn reset(&mut self, alloc: &mut PageAllocator) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
-        let locks: u64 = self.nodes.iter().filter(|n| n.live).map(|n| u64::from(n.own_locks)).sum();
+        let locks: u64 = self
+            .nodes
+            .iter()
+            .filter(|n| n.live)
+            .map(|n| u64::from(n.own_locks))
+            .sum();
         if locks > 0 {
-            return Err(RadixError::Locked { protected: self.protected, locks });
+            return Err(RadixError::Locked {
+                protected: self.protected,
+                locks,
+            });
         }
         for n in &self.nodes {
             for &p in &n.pages {
@@ -727,7 +802,9 @@ impl RadixCache {
     /// Full root-to-leaf paths (tokens, pages) of namespace `ns`, for tests and debugging.
     pub fn leaf_paths(&self, ns: &Namespace) -> Vec<(Vec<i32>, Vec<PageId>)> {
         let mut out = Vec::new();
-        let Some(&root) = self.roots.get(ns.as_bytes()) else { return out };
+        let Some(&root) = self.roots.get(ns.as_bytes()) else {
+            return out;
+        };
         let mut stack = vec![(root, Vec::new(), Vec::new())];
         while let Some((id, toks, pages)) = stack.pop() {
             let n = self.node(id);
@@ -765,9 +842,16 @@ impl RadixCache {
                 }
                 continue;
             }
-            let child_locks: u64 = n.children.values().map(|&c| u64::from(self.node(c).lock)).sum();
+            let child_locks: u64 = n
+                .children
+                .values()
+                .map(|&c| u64::from(self.node(c).lock))
+                .sum();
             if u64::from(n.lock) != child_locks + u64::from(n.own_locks) {
-                return bad(format!("node {id}: lock {} != own {} + children {child_locks}", n.lock, n.own_locks));
+                return bad(format!(
+                    "node {id}: lock {} != own {} + children {child_locks}",
+                    n.lock, n.own_locks
+                ));
             }
             for (k, &c) in &n.children {
                 let cn = self.node(c);
@@ -780,7 +864,9 @@ impl RadixCache {
             }
             if n.key.is_empty() {
                 let ok = n.parent == NONE
-                    && n.ns.as_ref().is_some_and(|ns| self.roots.get(ns) == Some(&id))
+                    && n.ns
+                        .as_ref()
+                        .is_some_and(|ns| self.roots.get(ns) == Some(&id))
                     && !n.children.is_empty();
                 if !ok {
                     return bad(format!("namespace root {id} malformed or childless"));
@@ -788,7 +874,12 @@ impl RadixCache {
                 continue;
             }
             if n.key.len() != n.pages.len() * ps || n.parent == NONE || !self.node(n.parent).live {
-                return bad(format!("node {id}: {} tokens, {} pages, parent {}", n.key.len(), n.pages.len(), n.parent));
+                return bad(format!(
+                    "node {id}: {} tokens, {} pages, parent {}",
+                    n.key.len(),
+                    n.pages.len(),
+                    n.parent
+                ));
             }
             let parent = self.node(n.parent);
             if !parent.key.is_empty() && parent.last_access < n.last_access {
@@ -799,7 +890,9 @@ impl RadixCache {
             } else {
                 protected += n.key.len();
             }
-            if n.in_lru != self.is_evictable_leaf(id) || (n.in_lru && !self.lru.contains(&(n.last_access, id))) {
+            if n.in_lru != self.is_evictable_leaf(id)
+                || (n.in_lru && !self.lru.contains(&(n.last_access, id)))
+            {
                 return bad(format!("node {id}: LRU membership wrong"));
             }
             in_lru += usize::from(n.in_lru);
@@ -816,7 +909,10 @@ impl RadixCache {
             .filter(|&p| alloc.is_cached(p) && alloc.ref_count(p) >= 2)
             .count();
         if shared != alloc.shared_cached() {
-            return bad(format!("allocator counts {} shared cached pages, there are {shared}", alloc.shared_cached()));
+            return bad(format!(
+                "allocator counts {} shared cached pages, there are {shared}",
+                alloc.shared_cached()
+            ));
         }
         if (evictable, protected) != (self.evictable, self.protected) {
             return bad(format!(
@@ -878,14 +974,45 @@ mod tests {
         });
         assert_ne!(lora1, salt1);
         assert_ne!(lora1, lora1_str);
-        assert_ne!(enc(&|b| { b.str("a"); }), enc(&|b| { b.bytes(b"a"); }));
-        assert_ne!(Namespace::none(), enc(&|b| { b.tuple(1).none(); }));
+        assert_ne!(
+            enc(&|b| {
+                b.str("a");
+            }),
+            enc(&|b| {
+                b.bytes(b"a");
+            })
+        );
+        assert_ne!(
+            Namespace::none(),
+            enc(&|b| {
+                b.tuple(1).none();
+            })
+        );
         // One value, one key, whatever width it arrived in.
         for v in [0i64, 1, -1, 127, 128, -128, -129, i64::MAX, i64::MIN] {
-            let wide = if v < 0 { [v.to_le_bytes(), [0xFF; 8]].concat() } else { [v.to_le_bytes(), [0; 8]].concat() };
-            assert_eq!(enc(&|b| { b.int(v); }), enc(&|b| { b.int_le(&wide); }), "{v}");
+            let wide = if v < 0 {
+                [v.to_le_bytes(), [0xFF; 8]].concat()
+            } else {
+                [v.to_le_bytes(), [0; 8]].concat()
+            };
+            assert_eq!(
+                enc(&|b| {
+                    b.int(v);
+                }),
+                enc(&|b| {
+                    b.int_le(&wide);
+                }),
+                "{v}"
+            );
         }
-        assert_ne!(enc(&|b| { b.int(-128); }), enc(&|b| { b.int(128); }));
+        assert_ne!(
+            enc(&|b| {
+                b.int(-128);
+            }),
+            enc(&|b| {
+                b.int(128);
+            })
+        );
     }
 
     #[test]
@@ -893,7 +1020,10 @@ mod tests {
         let (mut a, mut c) = setup(32, 4);
         let ns = Namespace::none();
         // 10 tokens: 2 whole pages cached, the partial last page is not.
-        assert_eq!(put(&mut a, &mut c, &ns, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), 0);
+        assert_eq!(
+            put(&mut a, &mut c, &ns, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]),
+            0
+        );
         assert_eq!(c.total_size(), 8);
         assert_eq!(a.num_used(), 2);
         // Shorter than a page: nothing.
@@ -933,7 +1063,12 @@ mod tests {
         // Unlock without lock, on a live node.
         put(&mut a, &mut c, &ns, &[1, 2, 3]);
         let h = c.match_prefix(&ns, &[1, 2, 3]).node;
-        assert_eq!(c.unlock(h).unwrap_err(), RadixError::NotLocked { node: h.node().get() });
+        assert_eq!(
+            c.unlock(h).unwrap_err(),
+            RadixError::NotLocked {
+                node: h.node().get()
+            }
+        );
         assert_eq!((c.evictable_size(), c.protected_size()), (3, 0));
     }
 
@@ -954,7 +1089,12 @@ mod tests {
         };
         let t = [10, 11, 12, 13];
         put(&mut a, &mut c, &key(Some((1, "a")), None), &t);
-        for ns in [key(Some((2, "a")), None), key(None, Some("a")), key(Some((1, "a")), Some("x")), key(None, None)] {
+        for ns in [
+            key(Some((2, "a")), None),
+            key(None, Some("a")),
+            key(Some((1, "a")), Some("x")),
+            key(None, None),
+        ] {
             assert_eq!(c.match_prefix(&ns, &t).len, 0);
         }
         assert_eq!(c.match_prefix(&key(Some((1, "a")), None), &t).len, 4);
@@ -968,7 +1108,13 @@ mod tests {
         assert_eq!(c.insert(&mut a, &ns, &[1, 2], &p1).unwrap(), 0);
         let p2 = a.alloc(3).unwrap();
         assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3], &p2).unwrap(), 2);
-        assert_eq!(ids(&[p2[0], p2[1]]).iter().map(|&p| a.ref_count(PageId::new(p).unwrap())).collect::<Vec<_>>(), vec![1, 1]);
+        assert_eq!(
+            ids(&[p2[0], p2[1]])
+                .iter()
+                .map(|&p| a.ref_count(PageId::new(p).unwrap()))
+                .collect::<Vec<_>>(),
+            vec![1, 1]
+        );
         assert_eq!(a.ref_count(p2[2]), 2);
         a.free(&p1).unwrap();
         a.free(&p2).unwrap();
@@ -983,15 +1129,28 @@ mod tests {
         let (mut a, mut c) = setup(8, 2);
         let ns = Namespace::none();
         let p = a.alloc(2).unwrap();
-        assert!(matches!(c.insert(&mut a, &ns, &[1, 2, 3, 4, 5, 6], &p), Err(RadixError::LengthMismatch { .. })));
+        assert!(matches!(
+            c.insert(&mut a, &ns, &[1, 2, 3, 4, 5, 6], &p),
+            Err(RadixError::LengthMismatch { .. })
+        ));
         assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0], p[0]]).is_err());
-        assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 0]).is_err());
-        assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 7]).is_err(), "page 7 is free");
+        assert!(c
+            .insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 0])
+            .is_err());
+        assert!(
+            c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 7])
+                .is_err(),
+            "page 7 is free"
+        );
         assert_eq!(c.total_size(), 0);
         assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3, 4, 5], &p).unwrap(), 0);
         // The same page again under another key.
         let q = a.alloc(1).unwrap();
-        assert_eq!(c.insert(&mut a, &ns, &[7, 7, 8, 8], &[q[0], p[1]]).unwrap_err(), RadixError::Page(AllocError::AlreadyCached { page: p[1].get() }));
+        assert_eq!(
+            c.insert(&mut a, &ns, &[7, 7, 8, 8], &[q[0], p[1]])
+                .unwrap_err(),
+            RadixError::Page(AllocError::AlreadyCached { page: p[1].get() })
+        );
         assert_eq!(c.total_size(), 4);
         c.check_invariants(&a).unwrap();
     }
@@ -1011,7 +1170,14 @@ mod tests {
         assert_eq!(c.match_prefix(&ns, &[1, 1]).len, 2);
         // 2 free + 2 evictable: asking 5 fails and evicts nothing.
         let err = c.alloc(&mut a, 5).unwrap_err();
-        assert_eq!(err, RadixError::Page(AllocError::OutOfPages { requested: 5, free: 2, evictable: 2 }));
+        assert_eq!(
+            err,
+            RadixError::Page(AllocError::OutOfPages {
+                requested: 5,
+                free: 2,
+                evictable: 2
+            })
+        );
         assert_eq!(c.total_size(), 4);
         let got = c.alloc(&mut a, 4).unwrap();
         assert_eq!(got.len(), 4);
@@ -1023,7 +1189,14 @@ mod tests {
         let m = c.match_prefix(&ns, &[3, 3]);
         a.inc_ref(&m.pages).unwrap();
         let err = c.alloc(&mut a, 7).unwrap_err();
-        assert_eq!(err, RadixError::Page(AllocError::OutOfPages { requested: 7, free: 4, evictable: 0 }));
+        assert_eq!(
+            err,
+            RadixError::Page(AllocError::OutOfPages {
+                requested: 7,
+                free: 4,
+                evictable: 0
+            })
+        );
         assert_eq!(c.evict(&mut a, 100).unwrap(), 2);
         assert_eq!(a.num_free(), 4);
         a.free(&m.pages).unwrap();
@@ -1052,14 +1225,23 @@ mod tests {
         put(&mut a, &mut c, &ns, &[1, 2]);
         let h = c.match_prefix(&ns, &[1, 2]).node;
         c.lock(h).unwrap();
-        assert!(matches!(c.reset(&mut a), Err(RadixError::Locked { protected: 2, locks: 1 })));
+        assert!(matches!(
+            c.reset(&mut a),
+            Err(RadixError::Locked {
+                protected: 2,
+                locks: 1
+            })
+        ));
         c.unlock(h).unwrap();
         c.reset(&mut a).unwrap();
         assert_eq!((c.total_size(), a.num_free(), c.hit_tokens()), (0, 8, 0));
         assert!(matches!(c.lock(h), Err(RadixError::StaleHandle { .. })));
         let empty = c.match_prefix(&ns, &[5]).node;
         c.lock(empty).unwrap();
-        assert!(c.reset(&mut a).is_err(), "a lock on the super-root counts too");
+        assert!(
+            c.reset(&mut a).is_err(),
+            "a lock on the super-root counts too"
+        );
         c.unlock(empty).unwrap();
         c.check_invariants(&a).unwrap();
     }
@@ -1069,7 +1251,10 @@ mod tests {
         let (mut a, mut c) = setup(8, 1);
         let mut b = PageAllocator::new(8, 1).unwrap();
         assert_eq!(c.evict(&mut b, 1).unwrap_err(), RadixError::WrongAllocator);
-        assert!(matches!(RadixCache::new(&a, 2), Err(RadixError::PageSizeMismatch { .. })));
+        assert!(matches!(
+            RadixCache::new(&a, 2),
+            Err(RadixError::PageSizeMismatch { .. })
+        ));
         let other = RadixCache::new(&a, 1).unwrap();
         put(&mut a, &mut c, &Namespace::none(), &[1]);
         let mut other = other;
@@ -1080,7 +1265,13 @@ mod tests {
     #[test]
     fn narrow_tokens_names_the_value() {
         assert_eq!(narrow_tokens(&[1, 2]), Ok(vec![1, 2]));
-        assert_eq!(narrow_tokens(&[1, 1 << 33]), Err(RadixError::TokenOutOfRange { index: 1, value: 1 << 33 }));
+        assert_eq!(
+            narrow_tokens(&[1, 1 << 33]),
+            Err(RadixError::TokenOutOfRange {
+                index: 1,
+                value: 1 << 33
+            })
+        );
     }
 
     #[test]

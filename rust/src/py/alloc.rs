@@ -29,9 +29,14 @@ pub(crate) struct PyPageAllocator {
 impl PyPageAllocator {
     #[new]
     fn new(num_pages: i64, page_size: i64) -> PyResult<Self> {
-        let (n, ps) = (count("num_pages", num_pages)?, count("page_size", page_size)?);
+        let (n, ps) = (
+            count("num_pages", num_pages)?,
+            count("page_size", page_size)?,
+        );
         let a = PageAllocator::new(n as u64, ps as u64).map_err(to_py)?;
-        Ok(Self { inner: Arc::new(Mutex::new(a)) })
+        Ok(Self {
+            inner: Arc::new(Mutex::new(a)),
+        })
     }
 
     fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
@@ -39,7 +44,11 @@ impl PyPageAllocator {
         Ok(page_array(py, &pages))
     }
 
-    fn try_alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+    fn try_alloc<'py>(
+        &self,
+        py: Python<'py>,
+        n: i64,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         match guard(&self.inner).alloc(count("n", n)?) {
             Ok(pages) => Ok(Some(page_array(py, &pages))),
             Err(AllocError::OutOfPages { .. }) => Ok(None),
@@ -54,7 +63,9 @@ impl PyPageAllocator {
 
     fn inc_ref(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
-        guard(&self.inner).inc_ref(&arr.pages("pages")?).map_err(to_py)
+        guard(&self.inner)
+            .inc_ref(&arr.pages("pages")?)
+            .map_err(to_py)
     }
 
     fn ref_counts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
@@ -80,7 +91,12 @@ impl PyPageAllocator {
 
     fn __repr__(&self) -> String {
         let a = guard(&self.inner);
-        format!("PageAllocator(num_pages={}, page_size={}, num_free={})", a.num_pages(), a.page_size(), a.num_free())
+        format!(
+            "PageAllocator(num_pages={}, page_size={}, num_free={})",
+            a.num_pages(),
+            a.page_size(),
+            a.num_free()
+        )
     }
 }
 

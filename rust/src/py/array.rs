@@ -19,7 +19,13 @@ pub(crate) enum Ints<'py> {
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match (obj.getattr("dtype"), obj.getattr("ndim")) {
         (Ok(d), Ok(n)) => format!("an array of dtype `{d}` with {n} dimension(s)"),
-        _ => format!("`{}`", obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())),
+        _ => format!(
+            "`{}`",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into())
+        ),
     }
 }
 
@@ -34,12 +40,18 @@ pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'p
     }
     Err(array_type_error(
         obj.py(),
-        format!("`{name}` must be a 1-D numpy array of int32 or int64, got {}", describe(obj)),
+        format!(
+            "`{name}` must be a 1-D numpy array of int32 or int64, got {}",
+            describe(obj)
+        ),
     ))
 }
 
 fn contiguous(py: Python<'_>, name: &str) -> PyErr {
-    array_type_error(py, format!("`{name}` must be C-contiguous; pass np.ascontiguousarray(...)"))
+    array_type_error(
+        py,
+        format!("`{name}` must be C-contiguous; pass np.ascontiguousarray(...)"),
+    )
 }
 
 impl Ints<'_> {
@@ -53,7 +65,10 @@ impl Ints<'_> {
     /// Token ids as int32 (borrowed for int32 input).
     pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
         match self {
-            Self::I32(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I32(a) => a
+                .as_slice()
+                .map(Cow::Borrowed)
+                .map_err(|_| contiguous(self.py(), name)),
             Self::I64(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
                 radix::narrow_tokens(s).map(Cow::Owned).map_err(to_py)
@@ -64,7 +79,10 @@ impl Ints<'_> {
     /// Page ids as int32 (borrowed for int32 input).
     pub(crate) fn pages(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
         match self {
-            Self::I32(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I32(a) => a
+                .as_slice()
+                .map(Cow::Borrowed)
+                .map_err(|_| contiguous(self.py(), name)),
             Self::I64(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
                 alloc::narrow_pages(s).map(Cow::Owned).map_err(to_py)
@@ -75,7 +93,10 @@ impl Ints<'_> {
     /// Lengths as int64 (borrowed for int64 input).
     pub(crate) fn lens(&self, name: &str) -> PyResult<Cow<'_, [i64]>> {
         match self {
-            Self::I64(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I64(a) => a
+                .as_slice()
+                .map(Cow::Borrowed)
+                .map_err(|_| contiguous(self.py(), name)),
             Self::I32(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
                 Ok(Cow::Owned(s.iter().map(|&v| i64::from(v)).collect()))
@@ -85,9 +106,18 @@ impl Ints<'_> {
 }
 
 /// A C-contiguous 2-D int32 array (a page table), as (array, rows, cols).
-pub(crate) fn table<'a, 'py>(obj: &'a Bound<'py, PyAny>, name: &str) -> PyResult<(&'a Bound<'py, PyArray2<i32>>, usize, usize)> {
+pub(crate) fn table<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<(&'a Bound<'py, PyArray2<i32>>, usize, usize)> {
     let a = obj.cast::<PyArray2<i32>>().map_err(|_| {
-        array_type_error(obj.py(), format!("`{name}` must be a 2-D numpy int32 array, got {}", describe(obj)))
+        array_type_error(
+            obj.py(),
+            format!(
+                "`{name}` must be a 2-D numpy int32 array, got {}",
+                describe(obj)
+            ),
+        )
     })?;
     if !a.is_c_contiguous() {
         return Err(contiguous(obj.py(), name));

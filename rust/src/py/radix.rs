@@ -32,7 +32,9 @@ const MAX_DEPTH: usize = 16;
 
 fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<()> {
     if depth > MAX_DEPTH {
-        return Err(InvalidArgumentError::new_err(format!("`namespace` nests tuples deeper than {MAX_DEPTH}")));
+        return Err(InvalidArgumentError::new_err(format!(
+            "`namespace` nests tuples deeper than {MAX_DEPTH}"
+        )));
     }
     if obj.is_none() {
         b.none();
@@ -47,10 +49,17 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
         b.bytes(by.as_bytes());
     } else if let Ok(i) = obj.cast::<PyInt>() {
         int(b, i)?;
-    } else if let Ok(i) = obj.call_method0("__index__").and_then(|v| v.cast_into::<PyInt>().map_err(PyErr::from)) {
+    } else if let Ok(i) = obj
+        .call_method0("__index__")
+        .and_then(|v| v.cast_into::<PyInt>().map_err(PyErr::from))
+    {
         int(b, &i)?; // numpy integers
     } else {
-        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
         return Err(InvalidArgumentError::new_err(format!(
             "`namespace` items must be None, int, str, bytes or tuples of those; got `{ty}`"
         )));
@@ -69,7 +78,6 @@ fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
     }
     Ok(())
 }
-
 
 /// Python value -> namespace key: None, int, str, bytes, or (nested) tuples, tag-encoded.
 fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
@@ -92,6 +100,7 @@ pub(crate) struct PyRadixCache {
 }
 
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
+type PathPair<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 
 #[pymethods]
 impl PyRadixCache {
@@ -101,28 +110,52 @@ impl PyRadixCache {
         let alloc = allocator.get().inner.clone();
         let cache = {
             let a = guard(&alloc);
-            let ps = page_size.map(|p| count("page_size", p)).transpose()?.unwrap_or(a.page_size());
+            let ps = page_size
+                .map(|p| count("page_size", p))
+                .transpose()?
+                .unwrap_or(a.page_size());
             RadixCache::new(&a, ps).map_err(to_py)?
         };
-        Ok(Self { alloc, allocator: allocator.unbind(), cache: Mutex::new(cache) })
+        Ok(Self {
+            alloc,
+            allocator: allocator.unbind(),
+            cache: Mutex::new(cache),
+        })
     }
 
     #[pyo3(signature = (tokens, namespace=None))]
-    fn match_prefix<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, namespace: Option<&Bound<'py, PyAny>>) -> PyResult<MatchTuple<'py>> {
+    fn match_prefix<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<MatchTuple<'py>> {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
         let tokens = arr.tokens("tokens")?;
         let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / guard(&self.cache).page_size());
-        let (node, len) = guard(&self.cache).match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
+        let (node, len) = guard(&self.cache)
+            .match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
     #[pyo3(signature = (tokens, pages, namespace=None))]
-    fn insert(&self, tokens: &Bound<'_, PyAny>, pages: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    fn insert(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
         let ns = self::namespace(namespace)?;
         let (t, p) = (ints(tokens, "tokens")?, ints(pages, "pages")?);
         let mut c = guard(&self.cache);
-        c.insert(&mut guard(&self.alloc), &ns, &t.tokens("tokens")?, &p.pages("pages")?).map_err(to_py)
+        c.insert(
+            &mut guard(&self.alloc),
+            &ns,
+            &t.tokens("tokens")?,
+            &p.pages("pages")?,
+        )
+        .map_err(to_py)
     }
 
     fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
@@ -146,7 +179,11 @@ impl PyRadixCache {
         Ok(page_array(py, &pages))
     }
 
-    fn try_alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+    fn try_alloc<'py>(
+        &self,
+        py: Python<'py>,
+        n: i64,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n)?;
         let mut c = guard(&self.cache);
         match c.alloc(&mut guard(&self.alloc), n) {
@@ -167,10 +204,17 @@ impl PyRadixCache {
     }
 
     #[pyo3(signature = (namespace=None))]
-    fn leaf_paths<'py>(&self, py: Python<'py>, namespace: Option<&Bound<'py, PyAny>>) -> PyResult<Vec<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)>> {
+    fn leaf_paths<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<PathPair<'py>>> {
         let ns = self::namespace(namespace)?;
         let paths = guard(&self.cache).leaf_paths(&ns);
-        Ok(paths.into_iter().map(|(t, p)| (PyArray1::from_vec(py, t), page_array(py, &p))).collect())
+        Ok(paths
+            .into_iter()
+            .map(|(t, p)| (PyArray1::from_vec(py, t), page_array(py, &p)))
+            .collect())
     }
 
     #[getter]
@@ -208,7 +252,12 @@ impl PyRadixCache {
 
     fn __repr__(&self) -> String {
         let c = guard(&self.cache);
-        format!("RadixCache(page_size={}, total_size={}, protected_size={})", c.page_size(), c.total_size(), c.protected_size())
+        format!(
+            "RadixCache(page_size={}, total_size={}, protected_size={})",
+            c.page_size(),
+            c.total_size(),
+            c.protected_size()
+        )
     }
 }
 
