@@ -203,7 +203,7 @@ struct Node {
     parent: u32,
     key: Vec<i32>,
     pages: Vec<PageId>,
-    children: HashMap<Box<[i32]>, u32>,
+    children: Children,
     /// Locks on paths through this node (its own and its descendants').
     lock: u32,
     /// Locks taken through a handle to this very node (what `unlock` may release).
@@ -214,6 +214,91 @@ struct Node {
     in_lru: bool,
     /// The namespace key, for namespace roots only.
     ns: Option<Box<[u8]>>,
+}
+
+/// Children of a node, found by the first token of their key; the first page decides equality
+/// (with page_size > 1, two children may share a first token). Hashing one token keeps lookups
+/// cheap for any page size, with std's DoS-resistant hasher.
+#[derive(Debug, Default)]
+struct Children {
+    map: HashMap<i32, Kids>,
+    len: usize,
+}
+
+#[derive(Debug)]
+enum Kids {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Children {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    fn candidates(&self, first: i32) -> &[u32] {
+        match self.map.get(&first) {
+            Some(Kids::One(id)) => std::slice::from_ref(id),
+            Some(Kids::Many(v)) => v,
+            None => &[],
+        }
+    }
+    fn entries(&self) -> impl Iterator<Item = (i32, u32)> + '_ {
+        self.map.iter().flat_map(|(&f, k)| {
+            let ids: &[u32] = match k {
+                Kids::One(id) => std::slice::from_ref(id),
+                Kids::Many(v) => v,
+            };
+            ids.iter().map(move |&id| (f, id))
+        })
+    }
+    fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.entries().map(|(_, id)| id)
+    }
+    fn insert(&mut self, first: i32, id: u32) {
+        self.len += 1;
+        match self.map.get_mut(&first) {
+            None => {
+                self.map.insert(first, Kids::One(id));
+            }
+            Some(Kids::Many(v)) => v.push(id),
+            Some(k @ Kids::One(_)) => {
+                if let Kids::One(old) = *k {
+                    *k = Kids::Many(vec![old, id]);
+                }
+            }
+        }
+    }
+    fn remove(&mut self, first: i32, id: u32) {
+        let Some(k) = self.map.get_mut(&first) else {
+            return;
+        };
+        match k {
+            Kids::One(x) if *x == id => {
+                self.map.remove(&first);
+                self.len -= 1;
+            }
+            Kids::Many(v) => {
+                if let Some(i) = v.iter().position(|&x| x == id) {
+                    v.swap_remove(i);
+                    self.len -= 1;
+                    if let [only] = v[..] {
+                        *k = Kids::One(only);
+                    }
+                }
+            }
+            Kids::One(_) => {}
+        }
+    }
+    fn replace(&mut self, first: i32, old: u32, new: u32) {
+        match self.map.get_mut(&first) {
+            Some(Kids::One(x)) if *x == old => *x = new,
+            Some(Kids::Many(v)) => v.iter_mut().filter(|x| **x == old).for_each(|x| *x = new),
+            _ => {}
+        }
+    }
 }
 
 enum Goal {
@@ -380,6 +465,15 @@ impl RadixCache {
         self.free_slots.push(id);
     }
 
+    /// The child of `parent` whose key starts with the page `page`.
+    fn child(&self, parent: u32, page: &[i32]) -> Option<u32> {
+        let ps = page.len();
+        let kids = self.node(parent).children.candidates(page[0]);
+        kids.iter()
+            .copied()
+            .find(|&c| self.node(c).key[..ps] == *page)
+    }
+
     fn is_evictable_leaf(&self, id: u32) -> bool {
         let n = self.node(id);
         n.live && !n.key.is_empty() && n.children.is_empty() && n.lock == 0
@@ -420,10 +514,9 @@ impl RadixCache {
         let rest_pages = c.pages.split_off(m / ps);
         let head_pages = std::mem::replace(&mut c.pages, rest_pages);
         let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
-        let child_first: Box<[i32]> = c.key[..ps].into();
-        let mut children = HashMap::with_capacity(1);
-        children.insert(child_first, child);
-        let first: Box<[i32]> = head_key[..ps].into();
+        let mut children = Children::default();
+        children.insert(c.key[0], child);
+        let first = head_key[0];
         let mid = self.new_node(Node {
             parent,
             key: head_key,
@@ -434,9 +527,7 @@ impl RadixCache {
             ..Node::default()
         });
         self.node_mut(child).parent = mid;
-        if let Some(slot) = self.node_mut(parent).children.get_mut(&first) {
-            *slot = mid;
-        }
+        self.node_mut(parent).children.replace(first, child, mid);
         mid
     }
 
@@ -466,7 +557,7 @@ impl RadixCache {
         if let Some(&root) = self.roots.get(ns.as_bytes()) {
             let mut cur = root;
             while pos < aligned {
-                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else {
+                let Some(child) = self.child(cur, &tokens[pos..pos + ps]) else {
                     break;
                 };
                 let c = self.node(child);
@@ -527,7 +618,7 @@ impl RadixCache {
         if let Some(root) = root {
             let mut cur = root;
             while pos < aligned {
-                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else {
+                let Some(child) = self.child(cur, &tokens[pos..pos + ps]) else {
                     break;
                 };
                 let key = &self.node(child).key;
@@ -582,9 +673,7 @@ impl RadixCache {
             last_access: clock,
             ..Node::default()
         });
-        self.node_mut(parent)
-            .children
-            .insert(tokens[pos..pos + ps].into(), leaf);
+        self.node_mut(parent).children.insert(tokens[pos], leaf);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -694,7 +783,6 @@ impl RadixCache {
 
     /// Removes an unlocked leaf: drops the tree's reference on its pages.
     fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32) {
-        let ps = self.page_size;
         let n = std::mem::take(&mut self.nodes[id as usize]);
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
@@ -706,7 +794,7 @@ impl RadixCache {
         self.nodes[id as usize].generation = n.generation;
         self.free_node(id);
         let parent = n.parent;
-        self.node_mut(parent).children.remove(&n.key[..ps]);
+        self.node_mut(parent).children.remove(n.key[0], id);
         let p = self.node(parent);
         if p.key.is_empty() {
             if parent != SUPER && p.children.is_empty() && p.lock == 0 {
@@ -812,7 +900,7 @@ impl RadixCache {
                 out.push((toks, pages));
                 continue;
             }
-            for &c in n.children.values() {
+            for c in n.children.ids() {
                 let cn = self.node(c);
                 let mut t = toks.clone();
                 t.extend_from_slice(&cn.key);
@@ -842,20 +930,21 @@ impl RadixCache {
                 }
                 continue;
             }
-            let child_locks: u64 = n
-                .children
-                .values()
-                .map(|&c| u64::from(self.node(c).lock))
-                .sum();
+            let child_locks: u64 = n.children.ids().map(|c| u64::from(self.node(c).lock)).sum();
             if u64::from(n.lock) != child_locks + u64::from(n.own_locks) {
                 return bad(format!(
                     "node {id}: lock {} != own {} + children {child_locks}",
                     n.lock, n.own_locks
                 ));
             }
-            for (k, &c) in &n.children {
+            if n.children.ids().count() != n.children.len() {
+                return bad(format!("node {id}: child count wrong"));
+            }
+            for (first, c) in n.children.entries() {
                 let cn = self.node(c);
-                if !cn.live || cn.parent != id || cn.key.get(..ps) != Some(&k[..]) {
+                let found = cn.key.get(..ps).and_then(|page| self.child(id, page));
+                if !cn.live || cn.parent != id || cn.key.first() != Some(&first) || found != Some(c)
+                {
                     return bad(format!("node {id}: child {c} mislinked"));
                 }
             }
@@ -1201,6 +1290,24 @@ mod tests {
         assert_eq!(a.num_free(), 4);
         a.free(&m.pages).unwrap();
         assert_eq!(a.num_free(), 6);
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn children_sharing_a_first_token() {
+        // page_size 2: [1, 2] and [1, 3] both start with token 1 but are different pages.
+        let (mut a, mut c) = setup(16, 2);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 2, 5, 5]);
+        put(&mut a, &mut c, &ns, &[1, 3, 6, 6]);
+        put(&mut a, &mut c, &ns, &[1, 4]);
+        assert_eq!(c.match_prefix(&ns, &[1, 3, 6, 6]).len, 4);
+        assert_eq!(c.match_prefix(&ns, &[1, 2, 5, 5]).len, 4);
+        assert_eq!(c.match_prefix(&ns, &[1, 9]).len, 0);
+        assert_eq!(c.evict(&mut a, 2).unwrap(), 2); // [1, 4], the least recently used
+        assert_eq!(c.match_prefix(&ns, &[1, 4]).len, 0);
+        assert_eq!(c.evict(&mut a, 4).unwrap(), 4);
+        assert_eq!(c.match_prefix(&ns, &[1, 2, 5, 5]).len, 4);
         c.check_invariants(&a).unwrap();
     }
 
