@@ -268,12 +268,32 @@ def report(results, mach):
     return "\n".join(lines) + "\n"
 
 
+def spread(paths):
+    """Markdown: best loop time of each configuration in several full runs (the load varies)."""
+    runs = [json.load(open(p)) for p in paths]
+    lines = ["", f"Spread over {len(runs)} full runs of this code (load averages at their starts: "
+             + ", ".join(f"{r['machine']['loadavg_start'][0]:.1f}" for r in runs) + "):", "",
+             "| workload | page | kvpool loop s (best of each run) | vs SGLang's 1.06 s | pure-Python loop s |",
+             "| --- | --- | --- | --- | --- |"]
+    keys = [(r["workload"], r["page_size"]) for r in runs[0]["results"] if r["impl"] == "kvpool"]
+    for w, ps in keys:
+        k = [x["loop_s_best"] for r in runs for x in r["results"] if (x["workload"], x["page_size"], x["impl"]) == (w, ps, "kvpool")]
+        py = [x["loop_s_best"] for r in runs for x in r["results"] if (x["workload"], x["page_size"], x["impl"]) == (w, ps, "pyref")]
+        lines.append(f"| {w} | {ps} | {min(k):.4f} - {max(k):.4f} | {SGLANG_LOOP_S[0] / max(k):.1f}x - {SGLANG_LOOP_S[0] / min(k):.1f}x "
+                     f"| {min(py):.2f} - {max(py):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--spread", nargs="+", metavar="JSON", help="print the spread over saved runs and exit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "PAGE_SIZE", "IMPL"))
     args = ap.parse_args()
+    if args.spread:
+        print(spread(args.spread), end="")
+        return
     if args.child:
         w, ps, impl = args.child
         child(w, int(ps), impl, args.repeats if impl == "kvpool" else 1)
