@@ -231,8 +231,8 @@ def report(results, mach):
         "generated beforehand. SGLang's Python RadixCache on this machine kind: 1.06-1.54 s loop",
         "(0.80-1.20 s in cache calls), match_prefix p50 70-85 us (from the issue, not re-measured).",
         "",
-        "| workload | page | impl | loop s (best) | CPU s | in-cache s | vs pure-Python | vs SGLang (1.06 s) | match p50 us | match ops/s | insert ops/s | alloc+evict ops/s | evict ops/s (2k tok) | hit rate | peak RSS MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workload | page | impl | loop s (best) | CPU s | in-cache s | vs pure-Python | vs SGLang (1.06 s) | match p50 us | match ops/s | insert ops/s | alloc+evict ops/s | evict ops/s (2k tok) | hit rate | RSS before loop MB | peak RSS MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     by = {(r["workload"], r["page_size"], r["impl"]): r for r in results}
     for r in results:
@@ -244,14 +244,15 @@ def report(results, mach):
             f"| {r['workload']} | {r['page_size']} | {r['impl']} | {r['loop_s_best']:.4f} | {r['loop_cpu_s_best']:.4f} "
             f"| {t['in_cache_s']:.4f} | {ratio} | {sg} "
             f"| {t['match_prefix']['p50_us']:.2f} | {t['match_prefix']['ops_per_s']:,.0f} | {t['insert']['ops_per_s']:,.0f} "
-            f"| {t['alloc_with_evict']['ops_per_s']:,.0f} | {t['evict']['ops_per_s']:,.0f} | {t['hit_rate']:.3f} | {r['peak_rss_mb']:.0f} |"
+            f"| {t['alloc_with_evict']['ops_per_s']:,.0f} | {t['evict']['ops_per_s']:,.0f} | {t['hit_rate']:.3f} | {r['rss_after_requests_mb']:.0f} | {r['peak_rss_mb']:.0f} |"
         )
     lines += [
         "",
         "in-cache s: time inside the cache calls of a separate pass with a timer around each call",
         "(match, lock, cache.alloc, insert, unlock, free). alloc+evict: cache.alloc calls, which evict",
         "LRU leaves when the pool is full. evict: evict(2048) calls emptying the full cache afterwards.",
-        "Hit rate: matched tokens / prompt tokens over the replay.",
+        "Hit rate: matched tokens / prompt tokens over the replay. RSS before loop: the process after",
+        "generating the requests (they hold most of it); peak RSS: the whole process, both replays done.",
         "",
         "match_prefix of a cached 4,096-token prompt (int32 tokens; int64 in brackets):",
         "",
@@ -287,10 +288,16 @@ def spread(paths):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--spread", nargs="+", metavar="JSON", help="print the spread over saved runs and exit")
+    ap.add_argument("--report", metavar="JSON", help="print the markdown report of a saved run and exit")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "PAGE_SIZE", "IMPL"))
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        print(report(saved["results"], saved["machine"]), end="")
+        return
     if args.spread:
         print(spread(args.spread), end="")
         return
