@@ -93,15 +93,15 @@ pub fn count(what: &'static str, value: i64) -> Result<usize, AllocError> {
 /// [`AllocError::OutOfRange`] for a value that does not fit (the pool size is not known here:
 /// `num_pages` is reported as `i32::MAX`).
 pub fn narrow_pages(pages: &[i64]) -> Result<Vec<i32>, AllocError> {
-    pages
-        .iter()
-        .map(|&p| {
-            i32::try_from(p).map_err(|_| AllocError::OutOfRange {
-                page: p,
-                num_pages: i32::MAX as u32,
-            })
-        })
-        .collect()
+    let fits = |v: i64| i64::from(v as i32) == v;
+    if pages.iter().fold(true, |ok, &v| ok & fits(v)) {
+        return Ok(pages.iter().map(|&v| v as i32).collect());
+    }
+    let page = pages.iter().copied().find(|&v| !fits(v)).unwrap_or(0);
+    Err(AllocError::OutOfRange {
+        page,
+        num_pages: i32::MAX as u32,
+    })
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);

@@ -70,13 +70,17 @@ pub enum RadixError {
 /// # Errors
 /// [`RadixError::TokenOutOfRange`] naming the first value that does not fit.
 pub fn narrow_tokens(tokens: &[i64]) -> Result<Vec<i32>, RadixError> {
-    tokens
+    let fits = |v: i64| i64::from(v as i32) == v;
+    // Branch-free check first (vectorizes), then a plain cast; the slow path only names the value.
+    if tokens.iter().fold(true, |ok, &v| ok & fits(v)) {
+        return Ok(tokens.iter().map(|&v| v as i32).collect());
+    }
+    let (index, &value) = tokens
         .iter()
         .enumerate()
-        .map(|(index, &value)| {
-            i32::try_from(value).map_err(|_| RadixError::TokenOutOfRange { index, value })
-        })
-        .collect()
+        .find(|(_, &v)| !fits(v))
+        .unwrap_or((0, &0));
+    Err(RadixError::TokenOutOfRange { index, value })
 }
 
 /// A cache namespace: a canonical, tagged byte encoding of the caller's key (adapter id, salt, ...).
