@@ -383,9 +383,11 @@ def test_decode_interpret_every_dtype(dtype, use_dot):
 @interpret
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_interpret_pages_and_splits(page, splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_interpret_pages_and_splits(page, splits, prefetch):
     cache = Cache("fp8_e4m3", [2, 37, 70], heads=1, d=16, page=page)
-    out, ref = run_decode(cache, 2, backend="triton", plan_kw={"num_splits": splits, "block_n": 16})
+    out, ref = run_decode(cache, 2, backend="triton",
+                          plan_kw={"num_splits": splits, "block_n": 16, "prefetch": prefetch})
     assert rel_err(out, ref) < TOL["fp8_e4m3"]
 
 
@@ -406,6 +408,15 @@ def test_decode_interpret_default_plan_and_group_not_pow2():
     cache = Cache("fp16", [9, 30], heads=2, d=16, page=4)
     out, ref = run_decode(cache, 6, backend="triton")  # G = 3, planned inside
     assert rel_err(out, ref) < TOL["fp16"]
+
+
+@interpret
+@pytest.mark.parametrize("dtype", FP4)
+def test_decode_interpret_fp4_prefetch(dtype):
+    cache = Cache(dtype, [33, 5], heads=2, d=32, page=16, heavy=True)
+    out, ref = run_decode(cache, 4, backend="triton",
+                          plan_kw={"num_splits": 1, "block_n": 16, "prefetch": True})
+    assert rel_err(out, ref) < TOL[dtype]
 
 
 @interpret
@@ -438,7 +449,8 @@ gpu = pytest.mark.gpu
 def test_decode_gpu_llama_geometry(dtype, heavy):
     lens = [1, 15, 16, 17, 300, 1000, 4097, 2000]
     cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda", heavy=heavy)
-    for kw in ({}, {"num_splits": 1}, {"num_splits": 5, "block_n": 32}, {"use_dot": False}):
+    for kw in ({}, {"num_splits": 1}, {"num_splits": 5, "block_n": 32}, {"use_dot": False},
+               {"prefetch": True}, {"prefetch": True, "num_splits": 1, "block_n": 128}):
         out, ref = run_decode(cache, 32, backend="triton", device="cuda", plan_kw=kw)
         assert rel_err(out, ref) < TOL[dtype], kw
 

@@ -25,9 +25,9 @@ def extend_kernel(
     Q, K, V, KBS, VBS, KSC, VSC, PT, SEQ, CUQ, WORK, SINKS, OUT,
     stride_qt, stride_qh, stride_kr, stride_vr, stride_kbr, stride_vbr, stride_pt,
     stride_ot, stride_oh,
-    sm_scale, softcap, window, blocks_per_req,
+    sm_scale, softcap, window, blocks_per_req, page_shift,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
     FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr,
     HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -84,8 +84,8 @@ def extend_kernel(
     for s in range(lo, hi, BLOCK_N):
         j = s + tl.arange(0, BLOCK_N)
         jm = j < hi
-        page = tl.load(pt_row + j // PAGE, mask=jm, other=0)
-        slot = page.to(tl.int64) * PAGE + (j % PAGE)
+        page = tl.load(pt_row + (j >> page_shift), mask=jm, other=0)
+        slot = (page.to(tl.int64) << page_shift) + (j & ((1 << page_shift) - 1))
         k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT)
         if IS_F32:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")

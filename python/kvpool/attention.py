@@ -198,6 +198,11 @@ class DecodePlan:
         Kernel tile (tokens per step) and launch options.
     use_dot : bool
         Tensor-core dots (query group padded to 16 rows) or CUDA-core FMA (group unpadded).
+    prefetch : bool
+        Issue the next tile's loads before the current tile's math (register double buffer).
+    ablate : int
+        Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
+        are wrong when nonzero.
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     """
@@ -210,6 +215,8 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     use_dot: bool
+    prefetch: bool
+    ablate: int
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
 
@@ -226,6 +233,8 @@ def plan_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_dot: bool | None = None,
+    prefetch: bool | None = None,
+    ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
 
@@ -240,8 +249,10 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch : optional
         Override the heuristics (benchmarks, tuning).
+    ablate : int
+        Benchmarks only (see :class:`DecodePlan`).
     """
     _check_view(view)
     _group(view, num_q_heads)
@@ -276,6 +287,8 @@ def plan_decode(
         num_warps=4 if num_warps is None else num_warps,
         num_stages=2 if num_stages is None else num_stages,
         use_dot=use_dot,
+        prefetch=bool(prefetch),
+        ablate=int(ablate),
         part_out=part_out,
         part_lse=part_lse,
     )
@@ -450,19 +463,18 @@ def decode(
         q.stride(0), q.stride(1), view.k.stride(0), view.v.stride(0),
         _row_stride(kbs, view), _row_stride(vbs, view), page_table.stride(0),
         out.stride(0), out.stride(1),
-        scale, float(softcap or 1.0), int(window or 0),
-        G=g, GP=gp, D=d, DV=view.v_head_dim, PAGE=view.page_size, BLOCK_N=plan.block_n,
-        NUM_SPLITS=s, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
+        scale, float(softcap or 1.0), int(window or 0), view.page_size.bit_length() - 1, s,
+        G=g, GP=gp, D=d, DV=view.v_head_dim, BLOCK_N=plan.block_n, FINAL=s == 1, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
         USE_DOT=plan.use_dot, HAS_SCALE=has_scale, FP4_MUL=fp4_mul,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, PREFETCH=plan.prefetch, ABLATE=plan.ablate,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if s > 1:
         merge_kernel[(bsz, hq)](
             plan.part_out, plan.part_lse, sinks if sinks is not None else dummy, vsc, out,
-            out.stride(0), out.stride(1), hq,
-            DV=view.v_head_dim, NUM_SPLITS=s, SP=_pow2(s), HAS_SCALE=has_scale,
+            out.stride(0), out.stride(1), hq, s,
+            DV=view.v_head_dim, SP=max(16, _pow2(s)), HAS_SCALE=has_scale,
             FP4_MUL=fp4_mul, HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
@@ -604,7 +616,8 @@ def extend(
         _row_stride(kbs, view), _row_stride(vbs, view), page_table.stride(0),
         out.stride(0), out.stride(1),
         scale, float(softcap or 1.0), int(window or 0), blocks_per_req,
-        G=g, GP=_pow2(g), D=d, DV=view.v_head_dim, PAGE=view.page_size, BLOCK_T=block_t,
+        view.page_size.bit_length() - 1,
+        G=g, GP=_pow2(g), D=d, DV=view.v_head_dim, BLOCK_T=block_t,
         BLOCK_N=block_n, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
         HAS_SCALE=has_scale, FP4_MUL=fp4_mul, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, USE_WORK=work is not None,
