@@ -271,9 +271,10 @@ def guarded(fn, *a, **k):
     try:
         return fn(*a, **k)
     except Exception as e:  # keep going: one failing point must not lose the others
-        log(f"  FAILED {fn.__name__} {a[1:] if a else ''} {k}: {type(e).__name__}: {str(e)[:300]}")
+        args = a[1:] if a and isinstance(a[0], LayerView) else a
+        log(f"  FAILED {fn.__name__} {args} {k}: {type(e).__name__}: {str(e)[:300]}")
         traceback.print_exc(limit=2)
-        save({"kind": "error", "fn": fn.__name__, "args": repr(a[1:])[:200], "kw": repr(k),
+        save({"kind": "error", "fn": fn.__name__, "args": repr(args)[:200], "kw": repr(k),
               "error": f"{type(e).__name__}: {str(e)[:500]}"})
         return None
 
@@ -302,12 +303,14 @@ def warm_configs(args, dtypes, dflt):
                 if not only or dtype in only:
                     out.append(("decode", dtype, bc[0], bc[1], 16, kw))
         if "extend" in sections:
-            out.append(("extend", dtype, 16, 4096, 16, {}))
+            for cfg in json.loads(args.extend_configs):
+                out.append(("extend", dtype, 16, 4096, 16, cfg))
         if "grid" in sections:
-            for page in (16, 64):
-                for b in (1, 16, 64, 128):
-                    for ctx in (1024, 8192, 32768):
-                        out.append(("decode", dtype, b, ctx, page, dflt))
+            for cfg in json.loads(args.grid_configs):
+                for page in (16, 64):
+                    for b in (1, 16, 64, 128):
+                        for ctx in (1024, 8192, 32768):
+                            out.append(("decode", dtype, b, ctx, page, {**dflt, **cfg}))
     return out
 
 
@@ -359,6 +362,8 @@ def main():
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--variants", default="")
     ap.add_argument("--default", default="", help="JSON plan overrides for every fused decode")
+    ap.add_argument("--extend-configs", default="[{}]", help="JSON list of extend plan overrides")
+    ap.add_argument("--grid-configs", default="[{}]", help="JSON list of plan overrides; the grid runs each")
     ap.add_argument("--warm", default="", help="i/N: only compile shard i of N (no timing)")
     args = ap.parse_args()
     if args.warm:
@@ -383,7 +388,7 @@ def main():
     if "key" in sections or "variants" in sections:
         sd = {}
         for b, ctx in ((64, 8192), (1, 32768)):
-            sd[(b, ctx)] = guarded(bench_sdpa, None, b, ctx, reps)
+            sd[(b, ctx)] = guarded(bench_sdpa, b, ctx, reps)
             log(f"sdpa B={b} ctx={ctx}: {fmt(sd[(b, ctx)])}")
         for dtype in dtypes:
             view = make_pool(dtype, rows_key)
@@ -410,13 +415,14 @@ def main():
 
     if "extend" in sections:
         b, prefix, new = 16, 4096, 512
-        s = guarded(bench_extend_sdpa, None, b, prefix, new, reps)
+        s = guarded(bench_extend_sdpa, b, prefix, new, reps)
         log(f"extend sdpa: {fmt(s)}")
         for dtype in dtypes:
             view = make_pool(dtype, b * (prefix + new) + 64 * 4)
-            r = guarded(bench_extend, view, b, prefix, new, 16, reps)
-            ratio = s["ms"] / r["ms"] if r and s else float("nan")
-            log(f"extend {dtype:15s}: {fmt(r)}  x{ratio:.2f} vs sdpa")
+            for cfg in json.loads(args.extend_configs):
+                r = guarded(bench_extend, view, b, prefix, new, 16, reps, **cfg)
+                ratio = s["ms"] / r["ms"] if r and s else float("nan")
+                log(f"extend {dtype:15s} {cfg}: {fmt(r)}  x{ratio:.2f} vs sdpa")
             del view
             torch.cuda.empty_cache()
         log(f"[{time.time() - t0:.0f}s]")
@@ -425,14 +431,19 @@ def main():
         bs, ctxs = (1, 16, 64, 128), (1024, 8192, 32768)
         for b in bs:
             for ctx in ctxs:
-                guarded(bench_sdpa, None, b, ctx, reps)
+                guarded(bench_sdpa, b, ctx, reps)
         for dtype in dtypes:
             view = make_pool(dtype, 128 * 32768 + 64)
-            for page in (16, 64):
-                for b in bs:
-                    for ctx in ctxs:
-                        r = guarded(bench_decode, view, b, ctx, page, reps, **dflt)
-                log(f"grid {dtype} p={page} done [{time.time() - t0:.0f}s]")
+            for ci, cfg in enumerate(json.loads(args.grid_configs)):
+                for page in (16, 64):
+                    for b in bs:
+                        for ctx in ctxs:
+                            guarded(bench_decode, view, b, ctx, page, reps, tag=f"grid{ci}",
+                                    **{**dflt, **cfg})
+                g = [r for r in RESULTS if r.get("impl") == f"grid{ci}" and r["dtype"] == dtype
+                     and r["B"] == 64 and r["ctx"] == 8192]
+                log(f"grid {dtype} cfg {cfg}: B=64/8k " + ", ".join(f"p{r['page']} {r['ms']:.4f} ms" for r in g)
+                    + f" [{time.time() - t0:.0f}s]")
             del view
             torch.cuda.empty_cache()
     log(f"done in {time.time() - t0:.0f}s")
