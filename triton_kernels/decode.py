@@ -39,7 +39,7 @@ def e2m1_div64_f16(b, BN: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
-             D: tl.constexpr, FMT: tl.constexpr):
+             D: tl.constexpr, FMT: tl.constexpr, ASM: tl.constexpr = False):
     """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
     ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
     scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
@@ -49,9 +49,15 @@ def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
                     mask=mask[:, None], other=0.0)
         return x, mask
     else:
-        d2 = tl.arange(0, D // 2)
-        x = tl.load(ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
-                    mask=mask[:, None], other=0)
+        if ASM:  # the same bytes as int32 words (rows are 4-byte aligned: D/2 % 4 == 0)
+            d8 = tl.arange(0, D // 8)
+            wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            x = tl.load(wp + slot[:, None] * (stride_row // 4) + head * (D // 8) + d8[None, :],
+                        mask=mask[:, None], other=0)
+        else:
+            d2 = tl.arange(0, D // 2)
+            x = tl.load(ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
+                        mask=mask[:, None], other=0)
         j = tl.arange(0, D // 16)
         s = tl.load(bs_ptr + slot[:, None] * stride_bs_row + head * (D // 16) + j[None, :],
                     mask=mask[:, None], other=0)
@@ -59,20 +65,75 @@ def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
 
 
 @triton.jit
+def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr):
+    """GPU fast path of the FP4 decode: packed words ``[BN, D/8]`` int32 (8 nibbles each,
+    element ``8j + 2i`` in the low nibble of byte ``i`` of word ``j``) -> ``[BN, D]`` fp16.
+
+    One inline-PTX block per word: the nibbles are mapped onto e4m3 bytes with 32-bit logic
+    (4 bytes at a time), converted in pairs by ``cvt.rn.f16x2.e4m3x2`` (exact, = e2m1 / 64) and,
+    if ``SCALED``, multiplied in pairs (``mul.f16x2``) by ``s16`` (the word's block scale, fp16,
+    broadcast to ``[BN, D/8]``; exact: a 2-bit times a 4-bit significand).
+    """
+    if SCALED:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 lo, hi, t, f0, f1, f2, f3, sc; .reg .b16 l0, l1, h0, h1; "
+                "mov.b32 sc, {$9, $9}; "
+                "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
+                "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
+                "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
+                "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+                "mul.rn.f16x2 f0, f0, sc; mul.rn.f16x2 f1, f1, sc; "
+                "mul.rn.f16x2 f2, f2, sc; mul.rn.f16x2 f3, f3, sc; "
+                "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
+                "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
+            args=[w, s16], dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 lo, hi, t, f0, f1, f2, f3; .reg .b16 l0, l1, h0, h1; "
+                "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
+                "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
+                "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
+                "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+                "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
+                "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+            args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
+                   tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+        )
+    x = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
+    return x.reshape(BN, D)
+
+
+@triton.jit
 def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
-            SKIP_SCALE: tl.constexpr = False):
+            SKIP_SCALE: tl.constexpr = False, ASM: tl.constexpr = False):
     """``load_raw`` output -> ``[BN, D]`` in CDT.
 
     FMT 0/1: the stored value (fp8 without its per-tensor scale). FMT 2 (nvfp4):
     ``e2m1 / 64 * block_scale`` (exact in fp16; global scale and 64 folded by the caller).
     FMT 3 (mx): ``e2m1 * 2^(e - 127)`` exact, for stored exponents up to 248 (larger ones,
     |x| > 6 * 2^121, are clamped). Block scales come as uint8 (nvfp4: e4m3 bits, reinterpreted
-    here). ``SKIP_SCALE`` (benchmark ablation only) leaves the FP4 block scale out.
+    here). ``SKIP_SCALE`` (benchmark ablation only) leaves the FP4 block scale out. ``ASM``
+    (FP4, GPU only): ``x`` holds int32 words and the nibbles are decoded by ``e2m1_words_f16``.
     """
     if FMT < 2:
         return x.to(CDT)
     else:
-        e = e2m1_div64_f16(x, BN, D)
+        if ASM:
+            if FMT == 2 and not SKIP_SCALE:
+                sw = tl.broadcast_to(s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
+                                     (BN, D // 16, 2)).reshape(BN, D // 8)
+                return e2m1_words_f16(x, sw, BN, D, True).to(CDT)
+            e = e2m1_words_f16(x, x, BN, D, False)
+        else:
+            e = e2m1_div64_f16(x, BN, D)
         if SKIP_SCALE:
             return e.to(CDT)
         if FMT == 2:
@@ -90,10 +151,11 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
 def load_kv_tile(
     ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
     BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
+    ASM: tl.constexpr = False,
 ):
     """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
-    x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT)
-    return dequant(x, s, BN, D, FMT, CDT)
+    x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)
+    return dequant(x, s, BN, D, FMT, CDT, False, ASM)
 
 
 @triton.jit
@@ -120,7 +182,7 @@ def decode_kernel(
     FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr, USE_DOT: tl.constexpr,
     HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PREFETCH: tl.constexpr, ABLATE: tl.constexpr,
+    PREFETCH: tl.constexpr, ABLATE: tl.constexpr, ASM: tl.constexpr,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -128,7 +190,8 @@ def decode_kernel(
     ``PREFETCH``: issue the next tile's page-table, K and V loads before this tile's math
     (register double buffering). ``ABLATE`` (benchmarks only; 0 in real use) leaves one stage
     out to measure what it costs: 1 = FP4 block-scale multiply, 2 = the dots (tiles still
-    dequantized and consumed), 3 = dequantization and dots (raw loads only).
+    dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
+    (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -167,13 +230,17 @@ def decode_kernel(
     acc = tl.zeros([GP, DV], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
 
-    t = start + tl.arange(0, BLOCK_N)
-    tm = t < end
-    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-    slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
     if PREFETCH:
-        kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT)
-        vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT)
+        # software pipeline: raw K/V one tile ahead, page ids two tiles ahead, so no load
+        # waits on another load issued in the same iteration
+        t = start + tl.arange(0, BLOCK_N)
+        tm = t < end
+        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+        kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+        vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+        t1 = t + BLOCK_N
+        page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
 
     for s in range(start, end, BLOCK_N):
         t = s + tl.arange(0, BLOCK_N)
@@ -181,23 +248,24 @@ def decode_kernel(
         if PREFETCH:
             tn = t + BLOCK_N
             tnm = tn < end
-            pn = tl.load(pt_row + (tn >> page_shift), mask=tnm, other=0)
-            sn = pn.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
-            kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT)
-            vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT)
+            sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
+            kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            tnn = tn + BLOCK_N
+            page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
         else:
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT)
+            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
         if ABLATE == 3:
             qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
         else:
-            k = dequant(kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1)
+            k = dequant(kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM)
             if ABLATE == 2:
                 qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
             elif USE_DOT:
                 if IS_F32:
-                    qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
                 else:
                     qk = tl.dot(q, tl.trans(k))
             else:
@@ -209,16 +277,16 @@ def decode_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not PREFETCH:
-            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT)
+            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
         if ABLATE == 3:
             pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
         else:
-            v = dequant(vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1)
+            v = dequant(vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM)
             if ABLATE == 2:
                 pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
             elif USE_DOT:
                 if IS_F32:
-                    pv = tl.dot(p, v, input_precision="ieee")
+                    pv = tl.dot(p, v, input_precision="tf32x3")
                 else:
                     pv = tl.dot(p.to(CDT), v)
             else:
@@ -227,6 +295,7 @@ def decode_kernel(
         m_i = m_new
         if PREFETCH:
             kx, ks, vx, vs = kxn, ksn, vxn, vsn
+            page_next = page_nn
 
     if FINAL:
         if HAS_SINKS:

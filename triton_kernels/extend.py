@@ -31,7 +31,7 @@ def extend_kernel(
     FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr,
     HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    USE_WORK: tl.constexpr,
+    USE_WORK: tl.constexpr, ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
@@ -86,9 +86,9 @@ def extend_kernel(
         jm = j < hi
         page = tl.load(pt_row + (j >> page_shift), mask=jm, other=0)
         slot = (page.to(tl.int64) << page_shift) + (j & ((1 << page_shift) - 1))
-        k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT)
+        k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT, ASM)
         if IS_F32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
         else:
             qk = tl.dot(q, tl.trans(k))
         qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
@@ -102,9 +102,9 @@ def extend_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT)
+        v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT, ASM)
         if IS_F32:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v, input_precision="tf32x3")
         else:
             pv = tl.dot(p.to(CDT), v)
         acc = acc * alpha[:, None] + pv

@@ -182,6 +182,23 @@ def _pow2(n: int) -> int:
 # ----------------------------------------------------------------------------- plans
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _default_asm(dtype: str) -> bool:
+    """Inline-PTX FP4 decode: FP4 caches on a real GPU (the interpreter cannot run PTX)."""
+    return dtype in ("nvfp4", "fp4_mx_block16") and not _interpreting()
+
+
+def default_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """KV splits per request: enough programs for about 4 per multiprocessor, at least 256
+    tokens per split, at most 128 splits."""
+    programs = batch * kv_heads
+    want = -(-4 * _num_sms(torch.device(device)) // max(programs, 1))
+    return max(1, min(want, -(-max_seq_len // 256), 128))
+
+
 @dataclass
 class DecodePlan:
     """Launch metadata of :func:`decode` for one batch, reused by every layer.
@@ -200,6 +217,9 @@ class DecodePlan:
         Tensor-core dots (query group padded to 16 rows) or CUDA-core FMA (group unpadded).
     prefetch : bool
         Issue the next tile's loads before the current tile's math (register double buffer).
+    asm : bool
+        FP4 only: decode nibbles with inline PTX on 32-bit words (GPU); else plain Triton ops
+        (also what the CPU interpreter runs).
     ablate : int
         Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
         are wrong when nonzero.
@@ -216,6 +236,7 @@ class DecodePlan:
     num_stages: int
     use_dot: bool
     prefetch: bool
+    asm: bool
     ablate: int
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
@@ -234,6 +255,7 @@ def plan_decode(
     num_stages: int | None = None,
     use_dot: bool | None = None,
     prefetch: bool | None = None,
+    asm: bool | None = None,
     ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
@@ -249,7 +271,7 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
@@ -264,12 +286,14 @@ def plan_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     if use_dot is None:
         use_dot = True
+    fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if block_n is None:
-        block_n = 64 if use_dot else 32
+        # measured on the H200 (benches/attention): fp8 tiles of 128 tokens, 3 stages
+        block_n = (128 if fp8 else 64) if use_dot else 32
+    if num_stages is None:
+        num_stages = 3 if fp8 else 2
     if num_splits is None:
-        programs = b * view.num_kv_heads
-        want = -(-4 * _num_sms(dev) // max(programs, 1))
-        num_splits = max(1, min(want, -(-ctx // 256), 128))
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev)
     if num_splits < 1:
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
@@ -285,9 +309,10 @@ def plan_decode(
         num_splits=num_splits,
         block_n=block_n,
         num_warps=4 if num_warps is None else num_warps,
-        num_stages=2 if num_stages is None else num_stages,
+        num_stages=num_stages,
         use_dot=use_dot,
         prefetch=bool(prefetch),
+        asm=_default_asm(view.dtype) if asm is None else bool(asm) and _default_asm(view.dtype),
         ablate=int(ablate),
         part_out=part_out,
         part_lse=part_lse,
@@ -319,12 +344,17 @@ class ExtendPlan:
     num_stages: int
 
 
-def _extend_tiles(group: int, block_t, block_n, num_warps, num_stages):
+def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stages):
+    """Extend tile defaults (measured on the H200, benches/attention): 64 rows of
+    (token, head) per program; 16-bit caches pipeline 3 stages, fp8 takes KV tiles of 128."""
     gp = _pow2(group)
     if block_t is None:
         block_t = max(1, 64 // gp) if gp <= 64 else 1
-    return block_t, (64 if block_n is None else block_n), (4 if num_warps is None else num_warps), (
-        2 if num_stages is None else num_stages)
+    if block_n is None:
+        block_n = 128 if dtype in ("fp8_e4m3", "fp8_e5m2") else 64
+    if num_stages is None:
+        num_stages = 3 if dtype in ("bf16", "fp16") else 2
+    return block_t, block_n, (4 if num_warps is None else num_warps), num_stages
 
 
 def plan_extend(
@@ -346,7 +376,8 @@ def plan_extend(
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
-    block_t, block_n, num_warps, num_stages = _extend_tiles(g, block_t, block_n, num_warps, num_stages)
+    block_t, block_n, num_warps, num_stages = _extend_tiles(view.dtype, g, block_t, block_n, num_warps,
+                                                           num_stages)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
     cu = cu_seqlens_q.cpu().tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
@@ -467,7 +498,7 @@ def decode(
         G=g, GP=gp, D=d, DV=view.v_head_dim, BLOCK_N=plan.block_n, FINAL=s == 1, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
         USE_DOT=plan.use_dot, HAS_SCALE=has_scale, FP4_MUL=fp4_mul,
         HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PREFETCH=plan.prefetch, ABLATE=plan.ablate,
+        HAS_SINKS=sinks is not None, PREFETCH=plan.prefetch, ABLATE=plan.ablate, ASM=plan.asm,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     if s > 1:
@@ -497,7 +528,7 @@ def _compute_dtype(dtype: str) -> torch.dtype:
     cdt = _KERNEL_FORMAT[dtype][1]
     # The Triton CPU interpreter computes bf16 dots on the raw bits (seen with triton 3.9:
     # errors of 1e10); interpreted runs check indexing and scales, so they use fp32 dots there.
-    if cdt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if cdt == torch.bfloat16 and _interpreting():
         return torch.float32
     return cdt
 
@@ -599,7 +630,7 @@ def extend(
         grid0 = work.shape[0]
         blocks_per_req = 1
     else:
-        block_t, block_n, nw, ns = _extend_tiles(g, None, None, None, None)
+        block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
         work = None
         blocks_per_req = -(-t // block_t)
         grid0 = bsz * blocks_per_req
@@ -621,6 +652,7 @@ def extend(
         BLOCK_N=block_n, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
         HAS_SCALE=has_scale, FP4_MUL=fp4_mul, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, USE_WORK=work is not None,
+        ASM=_default_asm(view.dtype),
         num_warps=nw, num_stages=ns,
     )
     return out
