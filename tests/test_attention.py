@@ -170,7 +170,8 @@ def run_decode(cache, hq, *, backend, device="cpu", seed=1, plan_kw=None, **opts
     return out, ref
 
 
-def run_extend(cache, hq, qlens, *, backend, device="cpu", seed=2, use_plan=False, **opts):
+def run_extend(cache, hq, qlens, *, backend, device="cpu", seed=2, use_plan=False, plan_kw=None,
+               **opts):
     gen = torch.Generator().manual_seed(seed)
     cu = [0]
     for n in qlens:
@@ -182,7 +183,8 @@ def run_extend(cache, hq, qlens, *, backend, device="cpu", seed=2, use_plan=Fals
         opts["sinks"] = opts["sinks"].to(device)
     plan = None
     if use_plan:
-        plan = attention.plan_extend(cache.view, hq, cu_t, cache.page_table, cache.seq_lens)
+        plan = attention.plan_extend(cache.view, hq, cu_t, cache.page_table, cache.seq_lens,
+                                     **(plan_kw or {}))
     out = attention.extend(cache.view, q.to(device), cu_t, cache.page_table, cache.seq_lens,
                            sm_scale=sm, backend=backend, plan=plan, **opts)
     rows = [list(range(cu[b], cu[b + 1])) for b in range(len(qlens))]
@@ -413,6 +415,22 @@ def test_decode_interpret_default_plan_and_group_not_pow2():
 
 @interpret
 @pytest.mark.parametrize("dtype", FP4)
+@pytest.mark.parametrize("what", ["decode", "extend"])
+def test_fp4_word_decode_interpret(dtype, what):
+    """The opt-in word-level FP4 decode (asm=True), run through its plain-Triton emulation:
+    word loads, scale broadcast and output order around the PTX block."""
+    cache = Cache(dtype, [33, 5, 17], heads=2, d=32, page=16, heavy=True)
+    if what == "decode":
+        out, ref = run_decode(cache, 4, backend="triton",
+                              plan_kw={"num_splits": 2, "block_n": 16, "asm": True})
+    else:
+        out, ref = run_extend(cache, 4, [9, 5, 17], backend="triton", use_plan=True,
+                              plan_kw={"asm": True})
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@interpret
+@pytest.mark.parametrize("dtype", FP4)
 def test_decode_interpret_fp4_prefetch(dtype):
     cache = Cache(dtype, [33, 5], heads=2, d=32, page=16, heavy=True)
     out, ref = run_decode(cache, 4, backend="triton",
@@ -451,9 +469,10 @@ def test_decode_gpu_llama_geometry(dtype, heavy):
     lens = [1, 15, 16, 17, 300, 1000, 4097, 2000]
     cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda", heavy=heavy)
     kws = [{}, {"num_splits": 1}, {"num_splits": 5, "block_n": 32}, {"use_dot": False},
-           {"prefetch": True, "num_splits": 1, "block_n": 128}]
+           {"prefetch": True, "num_splits": 1, "block_n": 128},
+           {"block_n": 128, "num_stages": 3}]  # the faster opt-in fp8 tiles
     if dtype in FP4:
-        kws.append({"asm": False})  # the plain-Triton nibble decode the interpreter runs
+        kws += [{"asm": True}, {"asm": True, "block_n": 128}]  # opt-in inline-PTX decode
     for kw in kws:
         out, ref = run_decode(cache, 32, backend="triton", device="cuda", plan_kw=kw)
         assert rel_err(out, ref) < TOL[dtype], kw
@@ -476,10 +495,36 @@ def test_decode_gpu_batch_256_page_sizes(dtype):
 def test_extend_gpu(dtype):
     lens = [600, 64, 129, 1]
     cache = Cache(dtype, lens, heads=8, d=128, page=64, device="cuda", heavy=True)
-    for use_plan in (False, True):
+    kws = [None, {}, {"num_stages": 3}, {"block_n": 128}]
+    if dtype in FP4:
+        kws += [{"asm": True}, {"asm": True, "block_n": 128}]
+    for kw in kws:
         out, ref = run_extend(cache, 32, [100, 64, 17, 1], backend="triton", device="cuda",
-                              use_plan=use_plan)
-        assert rel_err(out, ref) < TOL[dtype]
+                              use_plan=kw is not None, plan_kw=kw)
+        assert rel_err(out, ref) < TOL[dtype], kw
     out, ref = run_extend(cache, 32, [100, 64, 17, 1], backend="triton", device="cuda",
                           window=50, sinks=torch.linspace(-1, 1, 32), softcap=20.0)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_pool_methods_delegate_to_attention():
+    import kvpool
+    from kvpool.config import bundled_models
+
+    plan = kvpool.size_for(bundled_models()[0], "fp8_e4m3", 0.9, num_tokens=64, page_size=16,
+                           weights=0, gpu="H200")
+    pool = kvpool.KVPool(plan, device="cpu")
+    view = pool.layer(0)
+    gen = torch.Generator().manual_seed(0)
+    for t in (view.k, view.v):
+        t.copy_(torch.randn(t.shape, generator=gen).clamp(-8, 8).to(t.dtype))
+    hq = 2 * view.num_kv_heads
+    q = torch.randn(2, hq, view.head_dim, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    pt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    sl = torch.tensor([20, 5], dtype=torch.int32)
+    out = pool.decode(0, q, pt, sl, sm_scale=0.1)
+    ref = attention.reference_decode(view, q, pt, sl, sm_scale=0.1)
+    assert torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2)
+    # the same two tokens as one-token extends give the same outputs
+    ext = pool.extend(0, q, torch.tensor([0, 1, 2], dtype=torch.int32), pt, sl, sm_scale=0.1)
+    assert torch.equal(ext, out)

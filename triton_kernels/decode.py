@@ -39,7 +39,7 @@ def e2m1_div64_f16(b, BN: tl.constexpr, D: tl.constexpr):
 
 @triton.jit
 def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
-             D: tl.constexpr, FMT: tl.constexpr, ASM: tl.constexpr = False):
+             D: tl.constexpr, FMT: tl.constexpr, ASM: tl.constexpr = 0):
     """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
     ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
     scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
@@ -65,7 +65,13 @@ def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
 
 
 @triton.jit
-def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr):
+def byte_e4m3_f16(x, shift: tl.constexpr):
+    return ((x >> shift) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr,
+                   EMULATE: tl.constexpr = False):
     """GPU fast path of the FP4 decode: packed words ``[BN, D/8]`` int32 (8 nibbles each,
     element ``8j + 2i`` in the low nibble of byte ``i`` of word ``j``) -> ``[BN, D]`` fp16.
 
@@ -73,8 +79,24 @@ def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constex
     (4 bytes at a time), converted in pairs by ``cvt.rn.f16x2.e4m3x2`` (exact, = e2m1 / 64) and,
     if ``SCALED``, multiplied in pairs (``mul.f16x2``) by ``s16`` (the word's block scale, fp16,
     broadcast to ``[BN, D/8]``; exact: a 2-bit times a 4-bit significand).
+    ``EMULATE``: the same word logic and output order in plain Triton ops (the CPU interpreter
+    cannot run PTX; tests use it to check everything around the asm block).
     """
-    if SCALED:
+    if EMULATE:
+        lo = ((w & 0x08080808) << 4) | ((w & 0x07070707) << 2)
+        hi = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)  # -0x7F7F7F80 = 0x80808080 as int32
+        o0 = byte_e4m3_f16(lo, 0)
+        o2 = byte_e4m3_f16(lo, 8)
+        o4 = byte_e4m3_f16(lo, 16)
+        o6 = byte_e4m3_f16(lo, 24)
+        o1 = byte_e4m3_f16(hi, 0)
+        o3 = byte_e4m3_f16(hi, 8)
+        o5 = byte_e4m3_f16(hi, 16)
+        o7 = byte_e4m3_f16(hi, 24)
+        if SCALED:
+            o0, o1, o2, o3 = o0 * s16, o1 * s16, o2 * s16, o3 * s16
+            o4, o5, o6, o7 = o4 * s16, o5 * s16, o6 * s16, o7 * s16
+    elif SCALED:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             asm="{ .reg .b32 lo, hi, t, f0, f1, f2, f3, sc; .reg .b16 l0, l1, h0, h1; "
                 "mov.b32 sc, {$9, $9}; "
@@ -107,13 +129,15 @@ def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constex
             args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
                    tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
         )
-    x = tl.join(tl.join(tl.join(o0, o1), tl.join(o2, o3)), tl.join(tl.join(o4, o5), tl.join(o6, o7)))
+    # tl.join adds a new *last* axis, so the outermost join picks the lowest index bit:
+    # [..., p, q, r] holds element 8j + 4p + 2q + r
+    x = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
     return x.reshape(BN, D)
 
 
 @triton.jit
 def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
-            SKIP_SCALE: tl.constexpr = False, ASM: tl.constexpr = False):
+            SKIP_SCALE: tl.constexpr = False, ASM: tl.constexpr = 0):
     """``load_raw`` output -> ``[BN, D]`` in CDT.
 
     FMT 0/1: the stored value (fp8 without its per-tensor scale). FMT 2 (nvfp4):
@@ -121,7 +145,8 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
     FMT 3 (mx): ``e2m1 * 2^(e - 127)`` exact, for stored exponents up to 248 (larger ones,
     |x| > 6 * 2^121, are clamped). Block scales come as uint8 (nvfp4: e4m3 bits, reinterpreted
     here). ``SKIP_SCALE`` (benchmark ablation only) leaves the FP4 block scale out. ``ASM``
-    (FP4, GPU only): ``x`` holds int32 words and the nibbles are decoded by ``e2m1_words_f16``.
+    (FP4): ``x`` holds int32 words and the nibbles are decoded by ``e2m1_words_f16`` (1: inline
+    PTX on the GPU, 2: its plain-Triton emulation for the interpreter).
     """
     if FMT < 2:
         return x.to(CDT)
@@ -130,8 +155,8 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
             if FMT == 2 and not SKIP_SCALE:
                 sw = tl.broadcast_to(s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
                                      (BN, D // 16, 2)).reshape(BN, D // 8)
-                return e2m1_words_f16(x, sw, BN, D, True).to(CDT)
-            e = e2m1_words_f16(x, x, BN, D, False)
+                return e2m1_words_f16(x, sw, BN, D, True, ASM == 2).to(CDT)
+            e = e2m1_words_f16(x, x, BN, D, False, ASM == 2)
         else:
             e = e2m1_div64_f16(x, BN, D)
         if SKIP_SCALE:
@@ -151,7 +176,7 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
 def load_kv_tile(
     ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
     BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = 0,
 ):
     """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
     x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)

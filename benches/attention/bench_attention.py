@@ -169,7 +169,8 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
     rec = {"kind": "decode", "impl": tag, "dtype": view.dtype, "page": page, "B": b, "ctx": ctx,
            "ms": ms, "kv_bytes": kvb, "kv_TBps": kvb / ms / 1e9, "splits": plan.num_splits,
            "block_n": plan.block_n, "warps": plan.num_warps, "stages": plan.num_stages,
-           "use_dot": plan.use_dot, "prefetch": plan.prefetch, "ablate": plan.ablate}
+           "use_dot": plan.use_dot, "prefetch": plan.prefetch, "asm": plan.asm, "ablate": plan.ablate,
+           "variant_kw": plan_kw}
     save(rec)
     return rec
 
@@ -234,7 +235,7 @@ def bench_extend(view, b, prefix, new, page, reps, **plan_kw):
     rec = {"kind": "extend", "impl": "fused", "dtype": view.dtype, "page": page, "B": b,
            "prefix": prefix, "new": new, "ms": ms, "flops": fl, "TFLOPs": fl / ms / 1e9,
            "block_t": plan.block_t, "block_n": plan.block_n, "warps": plan.num_warps,
-           "stages": plan.num_stages}
+           "stages": plan.num_stages, "asm": plan.asm}
     save(rec)
     return rec
 

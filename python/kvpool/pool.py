@@ -193,3 +193,29 @@ class KVPool:
             if view.v_scale is not None:
                 view.v_scale.fill_(vs[layer])
         self.scales_source = source
+
+    # --- fused attention (kvpool.attention); keep these two methods together at the end -------
+
+    def decode(self, layer: int, q: torch.Tensor, page_table=None, seq_lens=None, **kwargs) -> torch.Tensor:
+        """Decode attention of one new token per request over ``layer``'s paged cache.
+
+        ``q`` ``[B, H_q, head_dim]``, ``page_table`` ``[B, max_pages]`` int32, ``seq_lens`` ``[B]``
+        int32 -> ``[B, H_q, v_head_dim]`` in ``q``'s dtype. Keyword arguments (``sm_scale``,
+        ``window``, ``sinks``, ``softcap``, ``backend``, ``plan``, ``out``) as in
+        :func:`kvpool.attention.decode`.
+        """
+        from kvpool import attention
+
+        return attention.decode(self.layer(layer), q, page_table, seq_lens, **kwargs)
+
+    def extend(self, layer: int, q: torch.Tensor, cu_seqlens_q=None, page_table=None, seq_lens=None,
+               **kwargs) -> torch.Tensor:
+        """Extend (prefill with a cached prefix) attention over ``layer``'s paged cache.
+
+        ``q`` ``[T, H_q, head_dim]`` of the new tokens (ragged by ``cu_seqlens_q`` ``[B + 1]``),
+        whose K/V were already written; they attend causally to their whole sequence. Keyword
+        arguments as in :func:`kvpool.attention.extend`.
+        """
+        from kvpool import attention
+
+        return attention.extend(self.layer(layer), q, cu_seqlens_q, page_table, seq_lens, **kwargs)
