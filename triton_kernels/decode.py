@@ -38,29 +38,49 @@ def e2m1_div64_f16(b, BN: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
-             D: tl.constexpr, FMT: tl.constexpr, ASM: tl.constexpr = 0):
+def load_raw(
+    ptr,
+    bs_ptr,
+    slot,
+    mask,
+    head,
+    stride_row,
+    stride_bs_row,
+    D: tl.constexpr,
+    FMT: tl.constexpr,
+    ASM: tl.constexpr = 0,
+):
     """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
     ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
     scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
     if FMT < 2:
         d = tl.arange(0, D)
-        x = tl.load(ptr + slot[:, None] * stride_row + head * D + d[None, :],
-                    mask=mask[:, None], other=0.0)
+        x = tl.load(
+            ptr + slot[:, None] * stride_row + head * D + d[None, :], mask=mask[:, None], other=0.0
+        )
         return x, mask
     else:
         if ASM:  # the same bytes as int32 words (rows are 4-byte aligned: D/2 % 4 == 0)
             d8 = tl.arange(0, D // 8)
             wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            x = tl.load(wp + slot[:, None] * (stride_row // 4) + head * (D // 8) + d8[None, :],
-                        mask=mask[:, None], other=0)
+            x = tl.load(
+                wp + slot[:, None] * (stride_row // 4) + head * (D // 8) + d8[None, :],
+                mask=mask[:, None],
+                other=0,
+            )
         else:
             d2 = tl.arange(0, D // 2)
-            x = tl.load(ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
-                        mask=mask[:, None], other=0)
+            x = tl.load(
+                ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
+                mask=mask[:, None],
+                other=0,
+            )
         j = tl.arange(0, D // 16)
-        s = tl.load(bs_ptr + slot[:, None] * stride_bs_row + head * (D // 16) + j[None, :],
-                    mask=mask[:, None], other=0)
+        s = tl.load(
+            bs_ptr + slot[:, None] * stride_bs_row + head * (D // 16) + j[None, :],
+            mask=mask[:, None],
+            other=0,
+        )
         return x, s
 
 
@@ -70,8 +90,9 @@ def byte_e4m3_f16(x, shift: tl.constexpr):
 
 
 @triton.jit
-def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr,
-                   EMULATE: tl.constexpr = False):
+def e2m1_words_f16(
+    w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr, EMULATE: tl.constexpr = False
+):
     """GPU fast path of the FP4 decode: packed words ``[BN, D/8]`` int32 (8 nibbles each,
     element ``8j + 2i`` in the low nibble of byte ``i`` of word ``j``) -> ``[BN, D]`` fp16.
 
@@ -99,45 +120,77 @@ def e2m1_words_f16(w, s16, BN: tl.constexpr, D: tl.constexpr, SCALED: tl.constex
     elif SCALED:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             asm="{ .reg .b32 lo, hi, t, f0, f1, f2, f3, sc; .reg .b16 l0, l1, h0, h1; "
-                "mov.b32 sc, {$9, $9}; "
-                "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
-                "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
-                "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
-                "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
-                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
-                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
-                "mul.rn.f16x2 f0, f0, sc; mul.rn.f16x2 f1, f1, sc; "
-                "mul.rn.f16x2 f2, f2, sc; mul.rn.f16x2 f3, f3, sc; "
-                "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
-                "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
+            "mov.b32 sc, {$9, $9}; "
+            "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
+            "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
+            "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
+            "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+            "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+            "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+            "mul.rn.f16x2 f0, f0, sc; mul.rn.f16x2 f1, f1, sc; "
+            "mul.rn.f16x2 f2, f2, sc; mul.rn.f16x2 f3, f3, sc; "
+            "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
+            "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h",
-            args=[w, s16], dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
-                   tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+            args=[w, s16],
+            dtype=(
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+            ),
+            is_pure=True,
+            pack=1,
         )
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             asm="{ .reg .b32 lo, hi, t, f0, f1, f2, f3; .reg .b16 l0, l1, h0, h1; "
-                "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
-                "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
-                "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
-                "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
-                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
-                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
-                "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
-                "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
+            "and.b32 t, $8, 0x08080808; shl.b32 lo, t, 4; and.b32 t, $8, 0x07070707; "
+            "shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, $8, 0x80808080; "
+            "shr.u32 t, $8, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
+            "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+            "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+            "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+            "mov.b32 {$0, $2}, f0; mov.b32 {$4, $6}, f1; "
+            "mov.b32 {$1, $3}, f2; mov.b32 {$5, $7}, f3; }",
             constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-            args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
-                   tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
+            args=[w],
+            dtype=(
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+                tl.float16,
+            ),
+            is_pure=True,
+            pack=1,
         )
     # tl.join adds a new *last* axis, so the outermost join picks the lowest index bit:
     # [..., p, q, r] holds element 8j + 4p + 2q + r
-    x = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+    x = tl.join(
+        tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7))
+    )
     return x.reshape(BN, D)
 
 
 @triton.jit
-def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
-            SKIP_SCALE: tl.constexpr = False, ASM: tl.constexpr = 0):
+def dequant(
+    x,
+    s,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    SKIP_SCALE: tl.constexpr = False,
+    ASM: tl.constexpr = 0,
+):
     """``load_raw`` output -> ``[BN, D]`` in CDT.
 
     FMT 0/1: the stored value (fp8 without its per-tensor scale). FMT 2 (nvfp4):
@@ -153,8 +206,9 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
     else:
         if ASM:
             if FMT == 2 and not SKIP_SCALE:
-                sw = tl.broadcast_to(s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
-                                     (BN, D // 16, 2)).reshape(BN, D // 8)
+                sw = tl.broadcast_to(
+                    s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], (BN, D // 16, 2)
+                ).reshape(BN, D // 8)
                 return e2m1_words_f16(x, sw, BN, D, True, ASM == 2).to(CDT)
             e = e2m1_words_f16(x, x, BN, D, False, ASM == 2)
         else:
@@ -162,7 +216,10 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
         if SKIP_SCALE:
             return e.to(CDT)
         if FMT == 2:
-            y = e.reshape(BN, D // 16, 16) * s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None]
+            y = (
+                e.reshape(BN, D // 16, 16)
+                * s.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None]
+            )
             return y.reshape(BN, D).to(CDT)
         else:
             # 2^(e - 127) * 64 = 2^(e - 121), built from the exponent bits (exact, no exp2).
@@ -174,8 +231,17 @@ def dequant(x, s, BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.
 
 @triton.jit
 def load_kv_tile(
-    ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row,
-    BN: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, CDT: tl.constexpr,
+    ptr,
+    bs_ptr,
+    slot,
+    mask,
+    head,
+    stride_row,
+    stride_bs_row,
+    BN: tl.constexpr,
+    D: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
     """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
@@ -198,16 +264,51 @@ def softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def decode_kernel(
-    Q, K, V, KBS, VBS, KSC, VSC, PT, SEQ, SINKS, OUT, PO, PL,
-    stride_qb, stride_qh, stride_kr, stride_vr, stride_kbr, stride_vbr, stride_pt,
-    stride_ob, stride_oh,
-    sm_scale, softcap, window, page_shift, num_splits,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr, USE_DOT: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PREFETCH: tl.constexpr, ABLATE: tl.constexpr, ASM: tl.constexpr,
+    Q,
+    K,
+    V,
+    KBS,
+    VBS,
+    KSC,
+    VSC,
+    PT,
+    SEQ,
+    SINKS,
+    OUT,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_vr,
+    stride_kbr,
+    stride_vbr,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    sm_scale,
+    softcap,
+    window,
+    page_shift,
+    num_splits,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FINAL: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ABLATE: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -243,8 +344,11 @@ def decode_kernel(
     offs_dv = tl.arange(0, DV)
     gmask = offs_g < G
     heads = hk * G + offs_g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=gmask[:, None],
+        other=0.0,
+    )
     if USE_DOT:
         q = q.to(CDT)
     else:
@@ -330,8 +434,11 @@ def decode_kernel(
             acc = acc * tl.exp2(m_i - m_s)[:, None]
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc * (vf / l_safe)[:, None]
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(OUT.dtype.element_ty), mask=gmask[:, None])
+        tl.store(
+            OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=gmask[:, None],
+        )
     else:
         # normalized partial output and its log2-sum-exp; an empty split stores (0, -inf)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -344,13 +451,26 @@ def decode_kernel(
 
 @triton.jit
 def merge_kernel(
-    PO, PL, SINKS, VSC, OUT, stride_ob, stride_oh, Hq, num_splits,
-    DV: tl.constexpr, SP: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PO,
+    PL,
+    SINKS,
+    VSC,
+    OUT,
+    stride_ob,
+    stride_oh,
+    Hq,
+    num_splits,
+    DV: tl.constexpr,
+    SP: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """Reduction stage of split-KV decode: one program per (request, query head) combines the
-    ``num_splits`` (<= SP) normalized partial outputs by their log2-sum-exp, adds the sink (if any) to the
-    denominator, applies the folded V factor and writes the output in its dtype."""
+    """Reduction stage of split-KV decode.
+
+    One program per (request, query head) combines the ``num_splits`` (<= SP) normalized
+    partial outputs by their log2-sum-exp, adds the sink (if any) to the denominator, applies
+    the folded V factor and writes the output in its dtype."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * Hq + h
@@ -367,8 +487,11 @@ def merge_kernel(
     den = tl.sum(w, 0)
     if HAS_SINKS:
         den += tl.exp2(sink - m_safe)
-    o = tl.load(PO + (row * num_splits + offs_s)[:, None].to(tl.int64) * DV + offs_dv[None, :],
-                mask=smask[:, None], other=0.0)
+    o = tl.load(
+        PO + (row * num_splits + offs_s)[:, None].to(tl.int64) * DV + offs_dv[None, :],
+        mask=smask[:, None],
+        other=0.0,
+    )
     vf = FP4_MUL
     if HAS_SCALE:
         vf = vf * tl.load(VSC)

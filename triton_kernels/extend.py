@@ -22,16 +22,49 @@ from .decode import load_kv_tile, softmax_logits
 
 @triton.jit
 def extend_kernel(
-    Q, K, V, KBS, VBS, KSC, VSC, PT, SEQ, CUQ, WORK, SINKS, OUT,
-    stride_qt, stride_qh, stride_kr, stride_vr, stride_kbr, stride_vbr, stride_pt,
-    stride_ot, stride_oh,
-    sm_scale, softcap, window, blocks_per_req, page_shift,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    USE_WORK: tl.constexpr, ASM: tl.constexpr,
+    Q,
+    K,
+    V,
+    KBS,
+    VBS,
+    KSC,
+    VSC,
+    PT,
+    SEQ,
+    CUQ,
+    WORK,
+    SINKS,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_kr,
+    stride_vr,
+    stride_kbr,
+    stride_vbr,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    sm_scale,
+    softcap,
+    window,
+    blocks_per_req,
+    page_shift,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    USE_WORK: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
@@ -59,8 +92,11 @@ def extend_kernel(
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     tok = (q_begin + t_loc).to(tl.int64)
-    q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=rmask[:, None], other=0.0).to(CDT)
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=rmask[:, None],
+        other=0.0,
+    ).to(CDT)
 
     kf = FP4_MUL
     vf = FP4_MUL
@@ -117,5 +153,8 @@ def extend_kernel(
         acc = acc * tl.exp2(m_i - m_s)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc * (vf / l_safe)[:, None]
-    tl.store(OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-             o.to(OUT.dtype.element_ty), mask=rmask[:, None])
+    tl.store(
+        OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+        o.to(OUT.dtype.element_ty),
+        mask=rmask[:, None],
+    )

@@ -196,7 +196,9 @@ class KVPool:
 
     # --- fused attention (kvpool.attention); keep these two methods together at the end -------
 
-    def decode(self, layer: int, q: torch.Tensor, page_table=None, seq_lens=None, **kwargs) -> torch.Tensor:
+    def decode(
+        self, layer: int, q: torch.Tensor, page_table=None, seq_lens=None, **kwargs
+    ) -> torch.Tensor:
         """Decode attention of one new token per request over ``layer``'s paged cache.
 
         ``q`` ``[B, H_q, head_dim]``, ``page_table`` ``[B, max_pages]`` int32, ``seq_lens`` ``[B]``
