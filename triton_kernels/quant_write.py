@@ -102,7 +102,10 @@ def _quant_tensor(
         NB: tl.constexpr = BLOCK_C // 16
         xf = x.to(tl.float32)
         xf = tl.where(xf != xf, 0.0, xf)  # FP4 has no NaN: NaN -> 0
-        xf = tl.minimum(tl.maximum(xf, -3.4028234663852886e38), 3.4028234663852886e38)  # +-inf -> +-FLT_MAX
+        if MODE == 3:  # +-inf -> +-FLT_MAX: the block scale saturates at 448
+            xf = tl.minimum(tl.maximum(xf, -3.4028234663852886e38), 3.4028234663852886e38)
+        else:  # +-MX_MAX = 6 * 2^125: the largest magnitude whose block decodes finite in fp32
+            xf = tl.minimum(tl.maximum(xf, -2.5521177519070385e38), 2.5521177519070385e38)
         amax = tl.max(tl.reshape(tl.abs(xf), (BLOCK_T, NB, 16)), axis=2)
         if MODE == 3:
             g = tl.load(scale_ptr)
@@ -127,7 +130,7 @@ def _quant_tensor(
             stored = tl.where(e_field == 0, (mant > 0x400000).to(tl.int32), e_field + (mant != 0).to(tl.int32))
             stored = tl.minimum(stored, 254)
             stored = tl.where(amax == 0.0, 127, stored)
-            # 2^(127 - stored): stored <= 253 for finite input, so the factor is a normal float
+            # 2^(127 - stored): stored <= 252 after the MX_MAX clamp, so the factor is normal
             inv = ((254 - stored) << 23).to(tl.float32, bitcast=True)
             inv_full = tl.reshape(tl.broadcast_to(inv[:, :, None], (BLOCK_T, NB, 16)), (BLOCK_T, BLOCK_C))
             q = xf * inv_full

@@ -27,8 +27,8 @@ fp8_e5m2           NaN (byte 0x7F)                       +-57344 (saturated, lik
 nvfp4              0 (E2M1 has no NaN)                   +-FLT_MAX before scaling: the block
                                                          scale saturates (448), the element
                                                          stores +-6
-fp4_mx_block16     0                                     +-FLT_MAX before scaling: the block
-                                                         exponent becomes 253, the element +-6
+fp4_mx_block16     0                                     +-MX_MAX (= 6 * 2^125) before scaling:
+                                                         exponent byte 252, element +-6
 =================  ====================================  =====================================
 
 Formats
@@ -39,8 +39,11 @@ Formats
   with ``g`` the global scale; elements ``rne_e2m1(clamp(x / (s * g), -6, 6))`` with ``s`` the
   *decoded* e4m3 scale; a block whose ``s`` rounds to 0 stores all-zero nibbles. Dequantized
   ``(e2m1 * s) * g``.
-- ``fp4_mx_block16``: ``e = ceil(log2(amax / 6))`` (exact, from the float's bits), stored as
-  ``clamp(e + 127, 0, 254)``; an all-zero block stores 127; elements
+- ``fp4_mx_block16``: inputs are first clamped to +-MX_MAX = 6 * 2^125 (about 2.55e38, the
+  largest magnitude whose block still decodes to a finite fp32; so bytes 253 and 254 never occur);
+  ``e = ceil(log2(amax / 6))`` (exact, from the float's bits; an amax / 6 that underflows to 0
+  counts as the smallest exponent), stored as ``clamp(e + 127, 0, 254)``; an all-zero block
+  stores 127; elements
   ``rne_e2m1(clamp(x / 2^(stored - 127), -6, 6))``. Dequantized ``e2m1 * 2^(stored - 127)``.
 - FP4 packing: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble; sign in bit 3.
 """
@@ -60,6 +63,9 @@ E2M1_MAX = 6.0
 BLOCK = 16
 #: The byte every fp8 NaN is stored as.
 FP8_NAN_BYTE = 0x7F
+#: fp4_mx_block16 inputs are clamped to this magnitude (6 * 2^125): larger blocks would decode
+#: to inf in fp32.
+MX_MAX = 6.0 * 2.0**125
 #: E2M1 magnitudes by code (bits 0-2); bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -165,6 +171,7 @@ def mx_exponent_bytes(amax: torch.Tensor) -> torch.Tensor:
     r = amax.float() / E2M1_MAX
     m, e = torch.frexp(r)  # r = m * 2^e, m in [0.5, 1)
     ceil_log2 = torch.where(m == 0.5, e - 1, e)
+    ceil_log2 = torch.where(r == 0, torch.full_like(ceil_log2, -1000), ceil_log2)  # underflow
     stored = torch.clamp(ceil_log2.to(torch.int64) + 127, 0, 254)
     stored = torch.where(amax == 0, torch.full_like(stored, 127), stored)
     return stored.to(torch.uint8)
@@ -226,6 +233,8 @@ def quantize(
         codes = torch.where(zero, torch.zeros_like(codes), codes)
         block_scale = s_code
     else:
+        xb = torch.clamp(xb, -MX_MAX, MX_MAX)
+        amax = torch.clamp(amax, max=MX_MAX)
         stored = mx_exponent_bytes(amax)
         inv = torch.ldexp(torch.ones_like(amax), 127.0 - stored.float()).unsqueeze(-1)  # exact
         codes = _e2m1_codes(xb * inv, xb)

@@ -166,7 +166,8 @@ def _pow2(n: int) -> int:
 
 
 def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-             *, debug: bool = False, backend: str = "auto", block_t: int | None = None) -> None:
+             *, debug: bool = False, backend: str = "auto", block_t: int | None = None,
+             num_warps: int = 4) -> None:
     """Quantize ``k``/``v`` into one layer's buffers at slots ``loc``.
 
     Parameters
@@ -184,8 +185,9 @@ def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tens
     backend : {"auto", "triton", "torch"}
         ``auto``: Triton for CUDA tensors, torch (always checked) otherwise. ``triton`` also runs
         CPU tensors under ``TRITON_INTERPRET=1``.
-    block_t : int or None
-        Tokens per Triton program (power of two); None picks one from the head size.
+    block_t, num_warps : int
+        Triton tuning: tokens per program (a power of two; None picks one from the head size)
+        and warps per program.
 
     Raises
     ------
@@ -204,11 +206,11 @@ def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if v is not None:
             _write_torch(layer, loc, v, "v")
         return
-    _launch_write(layer, loc, k, v, block_t)
+    _launch_write(layer, loc, k, v, block_t, num_warps)
 
 
 def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                  block_t: int | None) -> None:
+                  block_t: int | None, num_warps: int) -> None:
     from kvpool.triton_kernels.quant_write import quant_write_kernel
 
     mode = MODES[layer.dtype]
@@ -243,7 +245,7 @@ def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
         loc, t, rows, *ka, *va,
         H=h, DK=layer.head_dim, DV=dv, PAGE=layer.page_size, MODE=mode,
         WRITE_LINEAR=lin, WRITE_PM=pm, BLOCK_T=block_t, BLOCK_CK=bck, BLOCK_CV=bcv,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
