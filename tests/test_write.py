@@ -146,8 +146,8 @@ def test_write_matches_reference(mode, dtype, recipe):
                      page_size=16, num_tokens=512)
     set_scales(pool, 0.37, 0.011) if dtype != "nvfp4" else set_scales(pool, 0.0173, 0.0031)
     in_dtypes = [torch.bfloat16]
-    if mode == "torch" or (mode == "gpu" and (dtype, recipe) in (("fp8_e4m3", "linear"), ("nvfp4", "mixed"),
-                                                                  ("fp4_mx_block16", "linear"))):
+    if mode == "torch" or (dtype, recipe) in (("fp8_e4m3", "linear"), ("nvfp4", "mixed"),
+                                              ("fp4_mx_block16", "linear")):
         in_dtypes += [torch.float16, torch.float32]
     for i, in_dt in enumerate(in_dtypes):
         shape = (s["t"], s["heads"], s["head_dim"])

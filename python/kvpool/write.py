@@ -218,7 +218,17 @@ def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
     rows = layer.k.shape[0]
     h = layer.num_kv_heads
 
+    fp4 = mode >= 3
+
+    def words(x: torch.Tensor) -> torch.Tensor:
+        # FP4 kernels load element pairs (2i, 2i+1) as one word: int32 for 16-bit, int64 for fp32
+        if x.stride(2) != 1 or x.stride(0) % 2 or x.stride(1) % 2:
+            x = x.contiguous()
+        return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+
     def args(which: str, x: torch.Tensor, d: int) -> list[object]:
+        if fp4:
+            x = words(x)
         data = _u8(getattr(layer, which))
         lin = getattr(layer, f"{which}_block_scale")
         pm = getattr(layer, f"{which}_block_scale_page_major")
@@ -240,11 +250,13 @@ def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
         raise ValueError(f"`block_t` = {block_t} must be a power of two")
     lin = (layer.k_block_scale is not None)
     pm = (layer.k_block_scale_page_major is not None)
+    kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
     grid = ((t + block_t - 1) // block_t, kinds)
     quant_write_kernel[grid](
         loc, t, rows, *ka, *va,
         H=h, DK=layer.head_dim, DV=dv, PAGE=layer.page_size, MODE=mode,
-        WRITE_LINEAR=lin, WRITE_PM=pm, BLOCK_T=block_t, BLOCK_CK=bck, BLOCK_CV=bcv,
+        WRITE_LINEAR=lin, WRITE_PM=pm, K_KIND=kind[k.dtype], V_KIND=kind[(v if v is not None else k).dtype],
+        BLOCK_T=block_t, BLOCK_CK=bck, BLOCK_CV=bcv,
         num_warps=num_warps,
     )
 
