@@ -116,7 +116,7 @@ def main() -> int:
         copy_s = timed(lambda: dst.copy_(src), flush, a.iters)
         copy_gbps = 2 * src.numel() / copy_s / 1e9
         best = None
-        for bt, nw in ((1, 4), (4, 4), (4, 8), (16, 8)):
+        for bt, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)):
             fn = lambda bt=bt, nw=nw: write_kv(view, loc, k, v, backend="triton", block_t=bt,
                                                num_warps=nw)  # noqa: E731
             fn()
