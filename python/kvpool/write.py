@@ -294,13 +294,14 @@ def dequantize_kv(layer: LayerView, loc: torch.Tensor, which: str = "k",
     lin = getattr(layer, f"{which}_block_scale")
     pm = getattr(layer, f"{which}_block_scale_page_major")
     sc = getattr(layer, f"{which}_scale")
+    use_triton = _use_triton(backend, dev)
     bs: torch.Tensor | None = None  # [N, H*D/16] bytes, gathered by token (device op, no sync)
-    if lin is not None:
+    if lin is not None and not use_triton:
         bs = _u8(lin).reshape(rows, -1)[loc.to(torch.int64).clamp(0, rows - 1)]
-    elif pm is not None:
+    elif lin is None and pm is not None:  # the kernel reads token-linear scales: gather them
         off = page_major_offsets(loc.clamp(0, rows - 1), h, d, layer.page_size, which == "v")
         bs = _u8(pm).view(-1)[off]
-    if not _use_triton(backend, dev):
+    if not use_triton:
         bad = (loc < 0) | (loc >= rows)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -321,7 +322,7 @@ def dequantize_kv(layer: LayerView, loc: torch.Tensor, which: str = "k",
     block_t = max(1, min(64, 4096 // block_c))
     du8 = _u8(data)
     by_token = lin is None
-    bsp = du8 if bs is None else (_u8(lin) if lin is not None else bs.contiguous())
+    bsp = _u8(lin) if lin is not None else (du8 if bs is None else bs.contiguous())
     dequant_kernel[((n + block_t - 1) // block_t,)](
         loc, n, rows, du8, du8.stride(0), bsp, h * d // formats.BLOCK, by_token,
         du8 if sc is None else sc, out,
