@@ -122,13 +122,16 @@ def _quant_fp4(
     """FP4 tile as [BLOCK_T, NB blocks, 8 pairs]: each pair (elements 2i, 2i+1) is one loaded
     word, so packing nibbles needs no reshape or split; block amax is a reduction over axis 2."""
     NB: tl.constexpr = BLOCK_C // 16
+    DB: tl.constexpr = D // 16
     b = tl.arange(0, NB)
     w8 = tl.arange(0, 8)
-    pair = b[:, None] * 8 + w8[None, :]  # [NB, 8]
-    head = (pair * 2) // D
-    dw = (pair * 2) % D // 2
-    m3 = row_ok[:, None, None] & (b < H * D // 16)[None, :, None]
-    off = t.to(tl.int64)[:, None, None] * stride_wt + (head * stride_wh + dw)[None, :, :]
+    pair = b[:, None] * 8 + w8[None, :]  # [NB, 8]: pair index within the token (all heads)
+    # a block never straddles heads: head and in-head offset come from the block index alone,
+    # so the 8 words of a block are provably contiguous and aligned (vectorized 16-byte loads)
+    in_head = (b % DB) * 8
+    m3 = row_ok[:, None, None] & (b < H * DB)[None, :, None]
+    off = (t.to(tl.int64)[:, None, None] * stride_wt
+           + ((b // DB) * stride_wh + in_head)[None, :, None] + w8[None, None, :])
     w = tl.load(w_ptr + off, mask=m3, other=0)
     lo, hi = _unpack_pair(w, IN_KIND)
     lo = tl.where(lo != lo, 0.0, lo)  # FP4 has no NaN: NaN -> 0
