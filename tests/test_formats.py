@@ -32,7 +32,9 @@ def grid_and_midpoints(md):
     vals = np.arange(256, dtype=np.uint8).view(md).astype(np.float32)
     vals = np.unique(vals[np.isfinite(vals) & (vals >= 0)])
     mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
-    around = np.concatenate([np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf))])
+    around = np.concatenate(
+        [np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf))]
+    )
     x = np.concatenate([vals, mids, around])
     return np.concatenate([x, -x])
 
@@ -118,8 +120,8 @@ def test_kvb14_mx_bytes_scales_and_nibble_order():
     back = dequantize(data, bs, "fp4_mx_block16")[0].tolist()
     assert back[:16] == [3, 1, -0.5, 0, 0.5, -1.5, 2, 0, 0, 0, 0, 0, 0, 0, 0, -3]
     assert back[16:] == [16, -8, 6, 2] + [0] * 11 + [-12]
-    assert max(abs(a - b) for a, b in zip(back[:16], B0)) <= 0.2 + 1e-6
-    assert max(abs(a - b) for a, b in zip(back[16:], B1)) <= 3.0 + 1e-6
+    assert max(abs(a - b) for a, b in zip(back[:16], B0, strict=True)) <= 0.2 + 1e-6
+    assert max(abs(a - b) for a, b in zip(back[16:], B1, strict=True)) <= 3.0 + 1e-6
     # the bug signature (quantize with the exact amax/6 scale, store the rounded one) differs
     bug = [6, 2, -0.5, 0, 1, -3, 4, 0, 0, 0, 0, 0, 0, 0, 0, -6]
     assert back[:16] != bug
@@ -134,7 +136,9 @@ def e2m1_ref(x):
 def test_e2m1_codes_match_ml_dtypes_including_ties():
     grid = np.array(formats.E2M1_VALUES, dtype=np.float32)
     mids = (grid[:-1] + grid[1:]) / 2
-    x = np.concatenate([grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 9), [6.5, 100.0]]).astype(np.float32)
+    x = np.concatenate(
+        [grid, mids, np.nextafter(mids, 0), np.nextafter(mids, 9), [6.5, 100.0]]
+    ).astype(np.float32)
     x = np.concatenate([x, -x])
     x = np.clip(x, -6, 6)
     x = np.concatenate([x, np.zeros((-len(x)) % 15, np.float32)]).reshape(-1, 15)
@@ -150,14 +154,21 @@ def test_e2m1_codes_match_ml_dtypes_including_ties():
 
 def test_mx_exponent_is_exact_ceil_log2():
     g = torch.Generator().manual_seed(0)
-    amax = torch.cat([
-        torch.exp(torch.randn(2000, generator=g) * 20).float(),
-        6 * torch.ldexp(torch.ones(41), torch.arange(-20, 21).float()),  # exact powers of two times 6
-        6 * torch.ldexp(torch.ones(41), torch.arange(-20, 21).float()) * (1 + 2**-23),  # just above
-        torch.tensor([0.0, 1e-45, 6 * 2.0**-127, 6 * 2.0**-128, 3.4e38, 6 * 2.0**125]),
-    ])
+    amax = torch.cat(
+        [
+            torch.exp(torch.randn(2000, generator=g) * 20).float(),
+            6
+            * torch.ldexp(
+                torch.ones(41), torch.arange(-20, 21).float()
+            ),  # exact powers of two times 6
+            6
+            * torch.ldexp(torch.ones(41), torch.arange(-20, 21).float())
+            * (1 + 2**-23),  # just above
+            torch.tensor([0.0, 1e-45, 6 * 2.0**-127, 6 * 2.0**-128, 3.4e38, 6 * 2.0**125]),
+        ]
+    )
     stored = formats.mx_exponent_bytes(amax).to(torch.int64)
-    for a, s in zip(amax.tolist(), stored.tolist()):
+    for a, s in zip(amax.tolist(), stored.tolist(), strict=True):
         if a == 0:
             assert s == 127
             continue
@@ -258,8 +269,12 @@ def heavy_tailed(t, h, d, seed):
 
 # mean / max per-vector relative L2 error bounds on heavy-tailed K (measured values are in
 # benches/write/NOTES.md; the bounds leave headroom)
-ROUNDTRIP = {"fp8_e4m3": (0.035, 0.07), "fp8_e5m2": (0.07, 0.14), "nvfp4": (0.11, 0.16),
-             "fp4_mx_block16": (0.17, 0.26)}
+ROUNDTRIP = {
+    "fp8_e4m3": (0.035, 0.07),
+    "fp8_e5m2": (0.07, 0.14),
+    "nvfp4": (0.11, 0.16),
+    "fp4_mx_block16": (0.17, 0.26),
+}
 
 
 @pytest.mark.parametrize("dtype", list(ROUNDTRIP))
@@ -275,8 +290,10 @@ def test_roundtrip_error_on_heavy_tailed_kv(dtype):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-500, 500, allow_nan=False, width=32), min_size=16, max_size=16),
-       st.sampled_from([0.01, 0.5, 1.0, 3.0]))
+@given(
+    st.lists(st.floats(-500, 500, allow_nan=False, width=32), min_size=16, max_size=16),
+    st.sampled_from([0.01, 0.5, 1.0, 3.0]),
+)
 def test_fp8_quantize_is_rne_of_scaled_value(vals, scale):
     x = torch.tensor(vals, dtype=torch.float32)
     for dtype, (md, vmax) in FP8.items():

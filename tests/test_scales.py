@@ -20,8 +20,14 @@ from kvpool.scales import KVScaleWarning, MissingKVScalesWarning  # noqa: E402
 
 
 def make_pool(dtype="fp8_e4m3", layers=5, heads=2, head_dim=16, device="cpu"):
-    cfg = {"num_hidden_layers": layers, "num_attention_heads": heads * 2, "num_key_value_heads": heads,
-           "head_dim": head_dim, "hidden_size": 64, "vocab_size": 10}
+    cfg = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads * 2,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "hidden_size": 64,
+        "vocab_size": 10,
+    }
     plan = kvpool.size_for(ModelSpec.from_dict(cfg), dtype, num_tokens=16, page_size=4)
     return kvpool.KVPool(plan, device=device)
 
@@ -53,13 +59,19 @@ def save_checkpoint(tmp_path, tensors, shards=2, index=True):
     wm = {}
     for s in range(shards):
         fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: torch.as_tensor(tensors[n], dtype=torch.float32).reshape(-1 if isinstance(tensors[n], list) else ())
-                for n in names[s::shards]}
+        part = {
+            n: torch.as_tensor(tensors[n], dtype=torch.float32).reshape(
+                -1 if isinstance(tensors[n], list) else ()
+            )
+            for n in names[s::shards]
+        }
         part[f"model.layers.{s}.mlp.weight"] = torch.zeros(4, 4)
         safetensors_torch.save_file(part, str(tmp_path / fname))
         wm.update({n: fname for n in part})
     if index:
-        (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": wm})
+        )
     return tmp_path
 
 
@@ -67,11 +79,13 @@ def save_checkpoint(tmp_path, tensors, shards=2, index=True):
 def test_kvb08_every_name_maps_to_its_layer(tmp_path, index):
     save_checkpoint(tmp_path, KVB08, index=index)
     k, v = scales.read_checkpoint_scales(tmp_path)
-    assert [(k[i], v[i]) for i in range(5)] == [tuple(map(lambda x: pytest.approx(x, rel=1e-7), p)) for p in KVB08_EXPECTED]
+    assert [(k[i], v[i]) for i in range(5)] == [
+        tuple(map(lambda x: pytest.approx(x, rel=1e-7), p)) for p in KVB08_EXPECTED
+    ]
     pool = make_pool()
     scales.load_checkpoint_scales(pool, tmp_path)
     got = pool_scales(pool)
-    for (gk, gv), (ek, ev) in zip(got, KVB08_EXPECTED):
+    for (gk, gv), (ek, ev) in zip(got, KVB08_EXPECTED, strict=True):
         assert gk == pytest.approx(ek, rel=1e-7) and gv == pytest.approx(ev, rel=1e-7)
     assert all(s != (1.0, 1.0) for s in got)
     assert pool.scales_source.startswith("checkpoint:")
@@ -113,14 +127,19 @@ def test_bad_checkpoint_values_raise_naming_the_layer(tmp_path, bad):
 
 
 def test_only_one_of_k_v_is_used_for_both_and_conflicts_raise(tmp_path, caplog):
-    save_checkpoint(tmp_path, {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25})
+    save_checkpoint(
+        tmp_path,
+        {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.1.self_attn.v_scale": 0.25},
+    )
     with caplog.at_level(logging.INFO, logger="kvpool.scales"):
         k, v = scales.read_checkpoint_scales(tmp_path)
     assert (k[0], v[0], k[1], v[1]) == (0.5, 0.5, 0.25, 0.25)
     assert "only k_scale" in caplog.text
     d = tmp_path / "conflict"
     d.mkdir()
-    save_checkpoint(d, {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.0.self_attn.k_proj.k_scale": 0.6})
+    save_checkpoint(
+        d, {"model.layers.0.self_attn.k_scale": 0.5, "model.layers.0.self_attn.k_proj.k_scale": 0.6}
+    )
     with pytest.raises(ValueError, match="layer 0: conflicting scales"):
         scales.read_checkpoint_scales(d)
 
@@ -136,7 +155,9 @@ def test_checkpoint_without_scales_or_files_raises(tmp_path):
         scales.read_checkpoint_scales(tmp_path / "empty")
 
 
-KVB10 = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 2.0, "1": [2.0, 4.0]}}}}
+KVB10 = {
+    "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 2.0, "1": [2.0, 4.0]}}}
+}
 
 
 def test_kvb10_json_scales_reach_write_and_read(tmp_path):
@@ -189,8 +210,12 @@ def test_kvb10_json_errors(tmp_path):
 
 
 def test_json_tp_rank_selects_its_scales():
-    doc = {"kv_cache": {"dtype": "float8_e4m3fn",
-                        "scaling_factor": {"0": {"0": 0.5, "1": 0.5}, "1": {"0": [0.25, 0.125], "1": 3.0}}}}
+    doc = {
+        "kv_cache": {
+            "dtype": "float8_e4m3fn",
+            "scaling_factor": {"0": {"0": 0.5, "1": 0.5}, "1": {"0": [0.25, 0.125], "1": 3.0}},
+        }
+    }
     pool = make_pool(layers=2)
     scales.load_json_scales(pool, doc, tp_rank=1)
     assert pool_scales(pool) == [(0.25, 0.125), (3.0, 3.0)]
@@ -200,7 +225,7 @@ def test_calibration_fp8_and_power_of_two(tmp_path):
     gen = torch.Generator().manual_seed(0)
     batches = []
     amax_k, amax_v = [0.0, 0.0], [0.0, 0.0]
-    for step in range(3):  # a stream of batches per layer
+    for _ in range(3):  # a stream of batches per layer
         for layer in range(2):
             k = torch.randn(5, 2, 16, generator=gen) * (10 * (layer + 1))
             v = torch.randn(5, 2, 16, generator=gen)
@@ -215,7 +240,7 @@ def test_calibration_fp8_and_power_of_two(tmp_path):
     scales.load_json_scales(pool, tmp_path / "s.json")
     assert [p[0] for p in pool_scales(pool)] == [pytest.approx(x, rel=1e-6) for x in ks]
     p2k, _ = scales.calibrate(iter(batches), 2, "fp8_e4m3", power_of_two=True)
-    for a, s in zip(amax_k, p2k):
+    for a, s in zip(amax_k, p2k, strict=True):
         e = math.log2(s)
         assert e == int(e) and s >= a / 448 and s / 2 < a / 448
     e5k, _ = scales.calibrate(iter(batches), 2, "fp8_e5m2")
@@ -250,8 +275,11 @@ def test_calibration_errors_and_apply():
 def test_kvb12_e4m3_without_scales_warns_once():
     pool = make_pool(layers=5)
     x = torch.ones(1, 2, 16)
-    with pytest.warns(MissingKVScalesWarning, match=r"5 of 5 KV layers \(layers 0-4\) are fp8_e4m3 "
-                                                    r"with k/v scale 1.0.*load_checkpoint_scales"):
+    with pytest.warns(
+        MissingKVScalesWarning,
+        match=r"5 of 5 KV layers \(layers 0-4\) are fp8_e4m3 "
+        r"with k/v scale 1.0.*load_checkpoint_scales",
+    ):
         pool.write(0, torch.tensor([4]), x, x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -271,8 +299,10 @@ def test_e5m2_and_nvfp4_without_scales_only_log(caplog):
 
 def test_scales_from_any_source_never_warn(tmp_path):
     save_checkpoint(tmp_path, KVB08)
-    for load in (lambda p: scales.load_checkpoint_scales(p, tmp_path),
-                 lambda p: p.set_kv_scales([0.1] * 5, [0.2] * 5)):
+    for load in (
+        lambda p: scales.load_checkpoint_scales(p, tmp_path),
+        lambda p: p.set_kv_scales([0.1] * 5, [0.2] * 5),
+    ):
         pool = make_pool()
         load(pool)
         with warnings.catch_warnings():

@@ -32,9 +32,18 @@ MODES = [
     pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
 ]
 KERNEL_MODES = MODES[1:]
-CASES = [("bf16", "linear"), ("fp32", "linear"), ("fp16", "linear"), ("fp8_e4m3", "linear"),
-         ("fp8_e5m2", "linear"), ("nvfp4", "linear"), ("nvfp4", "page_major"), ("nvfp4", "mixed"),
-         ("nvfp4", "linear_workspace"), ("fp4_mx_block16", "linear")]
+CASES = [
+    ("bf16", "linear"),
+    ("fp32", "linear"),
+    ("fp16", "linear"),
+    ("fp8_e4m3", "linear"),
+    ("fp8_e5m2", "linear"),
+    ("nvfp4", "linear"),
+    ("nvfp4", "page_major"),
+    ("nvfp4", "mixed"),
+    ("nvfp4", "linear_workspace"),
+    ("fp4_mx_block16", "linear"),
+]
 
 
 def device_for(mode: str) -> str:
@@ -51,21 +60,50 @@ def backend_for(mode: str) -> str:
     return "torch" if mode == "torch" else "triton"
 
 
-def make_pool(dtype, device, *, recipe="linear", heads=2, head_dim=64, page_size=8, num_tokens=64,
-              layers=2, mla=False):
-    cfg = {"num_hidden_layers": layers, "num_attention_heads": heads * 2, "num_key_value_heads": heads,
-           "head_dim": head_dim, "hidden_size": 256, "vocab_size": 100}
+def make_pool(
+    dtype,
+    device,
+    *,
+    recipe="linear",
+    heads=2,
+    head_dim=64,
+    page_size=8,
+    num_tokens=64,
+    layers=2,
+    mla=False,
+):
+    cfg = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads * 2,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "hidden_size": 256,
+        "vocab_size": 100,
+    }
     if mla:
-        cfg.update({"kv_lora_rank": head_dim - 64, "qk_rope_head_dim": 64, "qk_nope_head_dim": 64,
-                    "v_head_dim": 64, "num_key_value_heads": heads * 2})
-    plan = kvpool.size_for(ModelSpec.from_dict(cfg), dtype, num_tokens=num_tokens, page_size=page_size,
-                           nvfp4_recipe=recipe)
+        cfg.update(
+            {
+                "kv_lora_rank": head_dim - 64,
+                "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 64,
+                "v_head_dim": 64,
+                "num_key_value_heads": heads * 2,
+            }
+        )
+    plan = kvpool.size_for(
+        ModelSpec.from_dict(cfg),
+        dtype,
+        num_tokens=num_tokens,
+        page_size=page_size,
+        nvfp4_recipe=recipe,
+    )
     pool = kvpool.KVPool(plan, device=device)
     g = torch.Generator().manual_seed(123)
-    for name, buf in pool.buffers.items():  # poison: unwritten bytes must stay as they were
+    for buf in pool.buffers.values():  # poison: unwritten bytes must stay as they were
         if buf.numel() > 1:
-            buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, generator=g,
-                                                      dtype=torch.uint8))
+            buf.view(torch.uint8).copy_(
+                torch.randint(0, 256, buf.view(torch.uint8).shape, generator=g, dtype=torch.uint8)
+            )
     return pool
 
 
@@ -111,7 +149,9 @@ def expected_after(pool, before, layer, loc, k, v):
             db = pm.shape[-1]
             for h in range(pm.shape[1]):
                 if which == "v":  # 4-token interleave: [P, H, ps/4, DB, 4]
-                    pm.view(pm.shape[0], pm.shape[1], ps // 4, db, 4)[pages, h, offs // 4, :, offs % 4] = bs[:, h]
+                    pm.view(pm.shape[0], pm.shape[1], ps // 4, db, 4)[
+                        pages, h, offs // 4, :, offs % 4
+                    ] = bs[:, h]
                 else:
                     pm[pages, h, offs, :] = bs[:, h]
     return exp
@@ -123,8 +163,10 @@ def assert_buffers_equal(pool, exp):
         g, e = got[n].view(torch.uint8), exp[n].view(torch.uint8)
         if not torch.equal(g, e):
             bad = (g != e).nonzero()
-            raise AssertionError(f"{n}: {len(bad)} bytes differ, first at {bad[0].tolist()}: "
-                                 f"got {g[tuple(bad[0])]}, expected {e[tuple(bad[0])]}")
+            raise AssertionError(
+                f"{n}: {len(bad)} bytes differ, first at {bad[0].tolist()}: "
+                f"got {g[tuple(bad[0])]}, expected {e[tuple(bad[0])]}"
+            )
 
 
 def set_scales(pool, ks, vs):
@@ -134,7 +176,11 @@ def set_scales(pool, ks, vs):
 
 def shape_for(mode):
     # interpreter: tiny; torch / GPU: enough tokens for many programs and both page layouts
-    return dict(t=7, heads=2, head_dim=64) if mode == "interpret" else dict(t=300, heads=8, head_dim=128)
+    return (
+        dict(t=7, heads=2, head_dim=64)
+        if mode == "interpret"
+        else dict(t=300, heads=8, head_dim=128)
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,19 +188,31 @@ def shape_for(mode):
 def test_write_matches_reference(mode, dtype, recipe):
     dev = device_for(mode)
     s = shape_for(mode)
-    pool = make_pool(dtype, dev, recipe=recipe, heads=s["heads"], head_dim=s["head_dim"],
-                     page_size=16, num_tokens=512)
+    pool = make_pool(
+        dtype,
+        dev,
+        recipe=recipe,
+        heads=s["heads"],
+        head_dim=s["head_dim"],
+        page_size=16,
+        num_tokens=512,
+    )
     set_scales(pool, 0.37, 0.011) if dtype != "nvfp4" else set_scales(pool, 0.0173, 0.0031)
     in_dtypes = [torch.bfloat16]
-    if mode == "torch" or (dtype, recipe) in (("fp8_e4m3", "linear"), ("nvfp4", "mixed"),
-                                              ("fp4_mx_block16", "linear")):
+    if mode == "torch" or (dtype, recipe) in (
+        ("fp8_e4m3", "linear"),
+        ("nvfp4", "mixed"),
+        ("fp4_mx_block16", "linear"),
+    ):
         in_dtypes += [torch.float16, torch.float32]
     for i, in_dt in enumerate(in_dtypes):
         shape = (s["t"], s["heads"], s["head_dim"])
         k = heavy_tailed(shape, 10 + i, in_dt)
         v = heavy_tailed(shape, 20 + i, in_dt) * 0.05
         g = torch.Generator().manual_seed(i)
-        loc = (torch.randperm(512, generator=g)[: s["t"]] + 16).to(torch.int32 if i % 2 else torch.int64)
+        loc = (torch.randperm(512, generator=g)[: s["t"]] + 16).to(
+            torch.int32 if i % 2 else torch.int64
+        )
         before = snapshot(pool)
         write_kv(pool.layer(1), loc.to(dev), k.to(dev), v.to(dev), backend=backend_for(mode))
         assert_buffers_equal(pool, expected_after(pool, before, 1, loc, k, v))
@@ -163,8 +221,11 @@ def test_write_matches_reference(mode, dtype, recipe):
             got = dequantize_kv(pool.layer(1), loc.to(dev), which, backend=backend_for(mode)).cpu()
             name = f"layers.1.{which}"
             sc = pool.buffers.get(name + "_scale", pool.buffers.get(name + "_global_scale"))
-            ref = formats.dequantize(*formats.quantize(x, dtype, 1.0 if sc is None else sc.cpu()), dtype,
-                                     1.0 if sc is None else sc.cpu())
+            ref = formats.dequantize(
+                *formats.quantize(x, dtype, 1.0 if sc is None else sc.cpu()),
+                dtype,
+                1.0 if sc is None else sc.cpu(),
+            )
             torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
@@ -174,22 +235,70 @@ def test_edge_values_bit_exact(mode):
     non-finite values have their own test)."""
     dev = device_for(mode)
     d = 64
-    vals = torch.tensor([0.0, -0.0, 464.0, 465.0, -465.0, 448.0, 1e-3, -1.3e-3, 2.0**-10, 3 * 2.0**-11,
-                         2.0**-7 * 1.0625, 57344.0, 61440.0, 1e30, -3e38, 1e-40, -1e-44, 0.25, 0.75,
-                         1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 0.0625, 1.5, 2.0**-126, 2.0**-127, 3.0, 1000.0])
-    rows = [vals.repeat(2)[:d], torch.zeros(d), torch.full((d,), 1e-39), torch.full((d,), 2.0**-130),
-            torch.linspace(-7, 7, d), torch.full((d,), -0.0), torch.full((d,), 3.3e38),
-            torch.arange(d, dtype=torch.float32) * 2.0**-12]
+    vals = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            464.0,
+            465.0,
+            -465.0,
+            448.0,
+            1e-3,
+            -1.3e-3,
+            2.0**-10,
+            3 * 2.0**-11,
+            2.0**-7 * 1.0625,
+            57344.0,
+            61440.0,
+            1e30,
+            -3e38,
+            1e-40,
+            -1e-44,
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            6.0,
+            7.0,
+            0.0625,
+            1.5,
+            2.0**-126,
+            2.0**-127,
+            3.0,
+            1000.0,
+        ]
+    )
+    rows = [
+        vals.repeat(2)[:d],
+        torch.zeros(d),
+        torch.full((d,), 1e-39),
+        torch.full((d,), 2.0**-130),
+        torch.linspace(-7, 7, d),
+        torch.full((d,), -0.0),
+        torch.full((d,), 3.3e38),
+        torch.arange(d, dtype=torch.float32) * 2.0**-12,
+    ]
     x = torch.stack(rows)[:, None, :].repeat(1, 2, 1)  # [T, H=2, D]
     x[:, 1] *= -0.5
     t = x.shape[0]
     loc = torch.arange(t) + 8
-    for dtype, scale in (("fp8_e4m3", 1.0), ("fp8_e4m3", 0.01171875), ("fp8_e5m2", 1.0),
-                         ("nvfp4", 1.0), ("nvfp4", 3e-5), ("fp4_mx_block16", 1.0)):
+    for dtype, scale in (
+        ("fp8_e4m3", 1.0),
+        ("fp8_e4m3", 0.01171875),
+        ("fp8_e5m2", 1.0),
+        ("nvfp4", 1.0),
+        ("nvfp4", 3e-5),
+        ("fp4_mx_block16", 1.0),
+    ):
         pool = make_pool(dtype, dev, heads=2, head_dim=d, page_size=8, num_tokens=32)
         set_scales(pool, scale, scale)
         before = snapshot(pool)
-        write_kv(pool.layer(0), loc.to(dev), x.to(dev), x.flip(0).to(dev).contiguous(), backend="triton")
+        write_kv(
+            pool.layer(0), loc.to(dev), x.to(dev), x.flip(0).to(dev).contiguous(), backend="triton"
+        )
         assert_buffers_equal(pool, expected_after(pool, before, 0, loc, x, x.flip(0)))
 
 
@@ -231,7 +340,7 @@ def test_nonfinite_rules(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_out_of_range_and_checks(mode):
-    """Kernel path: out-of-range slots are skipped; torch path and debug mode raise, naming `loc`."""
+    """Kernel path: out-of-range slots are skipped; torch path and debug raise, naming `loc`."""
     dev = device_for(mode)
     pool = make_pool("fp8_e4m3", dev, heads=2, head_dim=64, page_size=8, num_tokens=32, layers=1)
     set_scales(pool, 1.0, 1.0)
@@ -254,8 +363,14 @@ def test_out_of_range_and_checks(mode):
     with pytest.raises(ValueError, match="non-finite"):
         bad = k.clone()
         bad[2, 0, 0] = float("inf")
-        write_kv(pool.layer(0), torch.tensor([9, 10, 11], device=dev), bad.to(dev), k.to(dev),
-                 backend="triton", debug=True)
+        write_kv(
+            pool.layer(0),
+            torch.tensor([9, 10, 11], device=dev),
+            bad.to(dev),
+            k.to(dev),
+            backend="triton",
+            debug=True,
+        )
     assert_buffers_equal(pool, before)
     write_kv(pool.layer(0), loc, k.to(dev), k.to(dev), backend="triton")
     exp = expected_after(pool, before, 0, torch.tensor([9]), k[:1], k[:1])
@@ -265,7 +380,9 @@ def test_out_of_range_and_checks(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_padding_slots_may_repeat_and_strided_input(mode):
     dev = device_for(mode)
-    pool = make_pool("nvfp4", dev, recipe="mixed", heads=2, head_dim=64, page_size=4, num_tokens=16, layers=1)
+    pool = make_pool(
+        "nvfp4", dev, recipe="mixed", heads=2, head_dim=64, page_size=4, num_tokens=16, layers=1
+    )
     set_scales(pool, 0.01, 0.02)
     qkv = heavy_tailed((5, 8, 64), 3)  # q (4 heads) | k (2) | v (2): k and v are strided views
     k, v = qkv[:, 4:6], qkv[:, 6:8]
@@ -286,7 +403,9 @@ def test_padding_slots_may_repeat_and_strided_input(mode):
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "fp4_mx_block16"])
 def test_mla_latent(mode, dtype):
     dev = device_for(mode)
-    pool = make_pool(dtype, dev, heads=1, head_dim=128, page_size=8, num_tokens=32, layers=1, mla=True)
+    pool = make_pool(
+        dtype, dev, heads=1, head_dim=128, page_size=8, num_tokens=32, layers=1, mla=True
+    )
     view = pool.layer(0)
     assert view.is_mla and view.head_dim == 128
     set_scales(pool, 0.05, 0.05)
@@ -332,7 +451,9 @@ def test_page_copied_out_and_back(mode):
     block scales (both layouts) travel with the data; a copy of the data alone does not."""
     dev = device_for(mode)
     for dtype, recipe in (("nvfp4", "mixed"), ("fp4_mx_block16", "linear"), ("fp8_e4m3", "linear")):
-        pool = make_pool(dtype, dev, recipe=recipe, heads=2, head_dim=64, page_size=4, num_tokens=16, layers=1)
+        pool = make_pool(
+            dtype, dev, recipe=recipe, heads=2, head_dim=64, page_size=4, num_tokens=16, layers=1
+        )
         set_scales(pool, 0.02, 0.03)
         page = 2
         loc = torch.arange(page * 4, page * 4 + 4)
@@ -340,17 +461,19 @@ def test_page_copied_out_and_back(mode):
         write_kv(pool.layer(0), loc.to(dev), k.to(dev), v.to(dev), backend=backend_for(mode))
         before = pool.dequantize(0, loc.to(dev))
 
-        def page_rows(name, buf):
-            return buf[page] if name.endswith("page_major") else buf[page * 4:(page + 1) * 4]
+        def page_rows(name, buf, page=page):
+            return buf[page] if name.endswith("page_major") else buf[page * 4 : (page + 1) * 4]
 
-        per_page = {n: b for n, b in pool.buffers.items() if n.startswith("layers.") and b.numel() > 1}
+        per_page = {
+            n: b for n, b in pool.buffers.items() if n.startswith("layers.") and b.numel() > 1
+        }
         host = {n: page_rows(n, b).cpu().clone() for n, b in per_page.items()}
         for n, b in per_page.items():  # the page is reused by someone else meanwhile
             page_rows(n, u8(b)).fill_(0x3C)
         for n, b in per_page.items():
             page_rows(n, b).copy_(host[n].to(dev))
         after = pool.dequantize(0, loc.to(dev))
-        for a, b in zip(before, after):
+        for a, b in zip(before, after, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         if dtype != "fp8_e4m3":  # data without its scales comes back wrong
             for n, b in per_page.items():
@@ -363,8 +486,18 @@ def test_page_copied_out_and_back(mode):
 def test_kvb12_kvb13_kvb14_through_every_write_path(mode):
     dev = device_for(mode)
     cases = [
-        ("fp8_e4m3", 1.0, [1000.0, -600.0, 3.0, 0.01, 464.0, 465.0, 0.0, 0.0], [0x7E, 0xFE, 0x44, 0x05, 0x7E, 0x7E]),
-        ("fp8_e5m2", 1.0, [1.0, 2.0, 3.5, 0.25, 1000.0, 70000.0, 0.0, 0.0], [0x3C, 0x40, 0x43, 0x34, 0x64, 0x7B]),
+        (
+            "fp8_e4m3",
+            1.0,
+            [1000.0, -600.0, 3.0, 0.01, 464.0, 465.0, 0.0, 0.0],
+            [0x7E, 0xFE, 0x44, 0x05, 0x7E, 0x7E],
+        ),
+        (
+            "fp8_e5m2",
+            1.0,
+            [1.0, 2.0, 3.5, 0.25, 1000.0, 70000.0, 0.0, 0.0],
+            [0x3C, 0x40, 0x43, 0x34, 0x64, 0x7B],
+        ),
         ("fp8_e4m3", 1.0, [1.0, 2.0, 3.5, 0.25, 0.0, 0.0, 0.0, 0.0], [0x38, 0x40, 0x46, 0x28]),
     ]
     for dtype, scale, vals, exp in cases:
@@ -373,21 +506,88 @@ def test_kvb12_kvb13_kvb14_through_every_write_path(mode):
         x = torch.tensor(vals + [0.0] * 8)[None, None, :]
         pool_write(pool, mode, torch.tensor([5], device=dev), x.to(dev), x.to(dev))
         assert u8(pool.buffers["layers.0.k"])[5, 0, : len(exp)].cpu().tolist() == exp
-        got = dequantize_kv(pool.layer(0), torch.tensor([5], device=dev), "v", backend=backend_for(mode))
-        want = {0x7E: 448.0, 0xFE: -448.0, 0x44: 3.0, 0x05: 0.009765625, 0x3C: 1.0, 0x40: 2.0, 0x43: 3.5,
-                0x34: 0.25, 0x64: 1024.0, 0x7B: 57344.0, 0x38: 1.0, 0x46: 3.5, 0x28: 0.25}
+        got = dequantize_kv(
+            pool.layer(0), torch.tensor([5], device=dev), "v", backend=backend_for(mode)
+        )
+        want = {
+            0x7E: 448.0,
+            0xFE: -448.0,
+            0x44: 3.0,
+            0x05: 0.009765625,
+            0x3C: 1.0,
+            0x40: 2.0,
+            0x43: 3.5,
+            0x34: 0.25,
+            0x64: 1024.0,
+            0x7B: 57344.0,
+            0x38: 1.0,
+            0x46: 3.5,
+            0x28: 0.25,
+        }
         assert got[0, 0, : len(exp)].cpu().tolist() == [want[b] for b in exp]
     b0 = [3.2, 1.0, -0.3, 0, 0.6, -1.4, 2.2, 0.1, 0, 0, 0, 0, 0, 0, 0, -3.2]
     b1 = [19.0, -7.2, 5.4, 1.2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -13.0]
-    pool = make_pool("fp4_mx_block16", dev, heads=1, head_dim=32, page_size=4, num_tokens=8, layers=1)
+    pool = make_pool(
+        "fp4_mx_block16", dev, heads=1, head_dim=32, page_size=4, num_tokens=8, layers=1
+    )
     x = torch.tensor(b0 + b1)[None, None, :]
     pool_write(pool, mode, torch.tensor([6], device=dev), x.to(dev), x.to(dev))
-    assert pool.buffers["layers.0.k"][6, 0].cpu().tolist() == [0x25, 0x09, 0xB1, 0x04, 0, 0, 0, 0xD0,
-                                                                 0xC6, 0x13, 0, 0, 0, 0, 0, 0xD0]
+    assert pool.buffers["layers.0.k"][6, 0].cpu().tolist() == [
+        0x25,
+        0x09,
+        0xB1,
+        0x04,
+        0,
+        0,
+        0,
+        0xD0,
+        0xC6,
+        0x13,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0xD0,
+    ]
     assert pool.buffers["layers.0.k_block_scale"][6].cpu().tolist() == [0x7F, 0x81]
-    got = dequantize_kv(pool.layer(0), torch.tensor([6], device=dev), "k", backend=backend_for(mode))
-    assert got[0, 0].cpu().tolist() == [3, 1, -0.5, 0, 0.5, -1.5, 2, 0, 0, 0, 0, 0, 0, 0, 0, -3,
-                                        16, -8, 6, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -12]
+    got = dequantize_kv(
+        pool.layer(0), torch.tensor([6], device=dev), "k", backend=backend_for(mode)
+    )
+    assert got[0, 0].cpu().tolist() == [
+        3,
+        1,
+        -0.5,
+        0,
+        0.5,
+        -1.5,
+        2,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        -3,
+        16,
+        -8,
+        6,
+        2,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        -12,
+    ]
 
 
 def pool_write(pool, mode, loc, k, v):

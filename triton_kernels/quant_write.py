@@ -63,9 +63,21 @@ def _div(x, b, r):
 
 
 @triton.jit
-def _store_block_scales(bs_ptr, bs_row_stride, pm_ptr, slot, row_ok, sbyte,
-                        H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, NB: tl.constexpr,
-                        WRITE_LINEAR: tl.constexpr, WRITE_PM: tl.constexpr, INTERLEAVE: tl.constexpr):
+def _store_block_scales(
+    bs_ptr,
+    bs_row_stride,
+    pm_ptr,
+    slot,
+    row_ok,
+    sbyte,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    NB: tl.constexpr,
+    WRITE_LINEAR: tl.constexpr,
+    WRITE_PM: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
     """Store ``sbyte`` [BLOCK_T, NB] (column b = head * (D/16) + j) in each scale layout."""
     b = tl.arange(0, NB)
     b_ok = row_ok[:, None] & (b < H * D // 16)[None, :]
@@ -111,13 +123,28 @@ def _e2m1_nibble(q, x):
 
 @triton.jit
 def _quant_fp4(
-    w_ptr, stride_wt, stride_wh,
-    slot, t, row_ok,
-    data_ptr, data_row_stride, bs_ptr, bs_row_stride, pm_ptr, scale_ptr,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    MODE: tl.constexpr, WRITE_LINEAR: tl.constexpr, WRITE_PM: tl.constexpr,
-    INTERLEAVE: tl.constexpr, IN_KIND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    w_ptr,
+    stride_wt,
+    stride_wh,
+    slot,
+    t,
+    row_ok,
+    data_ptr,
+    data_row_stride,
+    bs_ptr,
+    bs_row_stride,
+    pm_ptr,
+    scale_ptr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_LINEAR: tl.constexpr,
+    WRITE_PM: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """FP4 tile as [BLOCK_T, NB blocks, 8 pairs]: each pair (elements 2i, 2i+1) is one loaded
     word, so packing nibbles needs no reshape or split; block amax is a reduction over axis 2."""
@@ -130,8 +157,11 @@ def _quant_fp4(
     # so the 8 words of a block are provably contiguous and aligned (vectorized 16-byte loads)
     in_head = (b % DB) * 8
     m3 = row_ok[:, None, None] & (b < H * DB)[None, :, None]
-    off = (t.to(tl.int64)[:, None, None] * stride_wt
-           + ((b // DB) * stride_wh + in_head)[None, :, None] + w8[None, None, :])
+    off = (
+        t.to(tl.int64)[:, None, None] * stride_wt
+        + ((b // DB) * stride_wh + in_head)[None, :, None]
+        + w8[None, None, :]
+    )
     w = tl.load(w_ptr + off, mask=m3, other=0)
     lo, hi = _unpack_pair(w, IN_KIND)
     lo = tl.where(lo != lo, 0.0, lo)  # FP4 has no NaN: NaN -> 0
@@ -162,7 +192,9 @@ def _quant_fp4(
         rb = rq.to(tl.int32, bitcast=True)
         e_field = (rb >> 23) & 0xFF
         mant = rb & 0x7FFFFF
-        stored = tl.where(e_field == 0, (mant > 0x400000).to(tl.int32), e_field + (mant != 0).to(tl.int32))
+        stored = tl.where(
+            e_field == 0, (mant > 0x400000).to(tl.int32), e_field + (mant != 0).to(tl.int32)
+        )
         stored = tl.minimum(stored, 254)
         stored = tl.where(amax == 0.0, 127, stored)
         # 2^(127 - stored): stored <= 252 after the MX_MAX clamp, so the factor is normal
@@ -175,23 +207,49 @@ def _quant_fp4(
     packed = tl.where(zero_blk[:, :, None], 0, packed)
     dst = slot[:, None, None] * data_row_stride + pair[None, :, :]
     tl.store(data_ptr + dst, packed.to(tl.uint8), mask=m3)
-    _store_block_scales(bs_ptr, bs_row_stride, pm_ptr, slot, row_ok, sbyte, H, D, PAGE, NB,
-                        WRITE_LINEAR, WRITE_PM, INTERLEAVE)
+    _store_block_scales(
+        bs_ptr,
+        bs_row_stride,
+        pm_ptr,
+        slot,
+        row_ok,
+        sbyte,
+        H,
+        D,
+        PAGE,
+        NB,
+        WRITE_LINEAR,
+        WRITE_PM,
+        INTERLEAVE,
+    )
 
 
 @triton.jit
 def _quant_tensor(
-    x_ptr, stride_xt, stride_xh, stride_xd,
-    loc_ptr, T, R,
-    data_ptr, data_row_stride,
-    bs_ptr, bs_row_stride,
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    stride_xd,
+    loc_ptr,
+    T,
+    R,
+    data_ptr,
+    data_row_stride,
+    bs_ptr,
+    bs_row_stride,
     pm_ptr,
     scale_ptr,
     pid_t,
-    H: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    MODE: tl.constexpr, WRITE_LINEAR: tl.constexpr, WRITE_PM: tl.constexpr,
-    INTERLEAVE: tl.constexpr, IN_KIND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_LINEAR: tl.constexpr,
+    WRITE_PM: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """Quantize BLOCK_T tokens x all heads of one tensor (K or V) and store them at their slots.
     FP4 modes take ``x`` as words of two elements (strides in words, ``stride_xd`` unused)."""
@@ -202,9 +260,30 @@ def _quant_tensor(
     # out-of-range slots are skipped (no write); the debug mode and the CPU path raise instead
     row_ok = t_ok & (slot >= 0) & (slot < R)
     if MODE >= 3:
-        _quant_fp4(x_ptr, stride_xt, stride_xh, slot, t, row_ok, data_ptr, data_row_stride,
-                   bs_ptr, bs_row_stride, pm_ptr, scale_ptr, H, D, PAGE, MODE, WRITE_LINEAR,
-                   WRITE_PM, INTERLEAVE, IN_KIND, BLOCK_T, BLOCK_C)
+        _quant_fp4(
+            x_ptr,
+            stride_xt,
+            stride_xh,
+            slot,
+            t,
+            row_ok,
+            data_ptr,
+            data_row_stride,
+            bs_ptr,
+            bs_row_stride,
+            pm_ptr,
+            scale_ptr,
+            H,
+            D,
+            PAGE,
+            MODE,
+            WRITE_LINEAR,
+            WRITE_PM,
+            INTERLEAVE,
+            IN_KIND,
+            BLOCK_T,
+            BLOCK_C,
+        )
     else:
         c = tl.arange(0, BLOCK_C)
         c_ok = c < HD
@@ -220,7 +299,9 @@ def _quant_tensor(
             xf = x.to(tl.float32)
             s = tl.load(scale_ptr)
             ones = tl.full(xf.shape, 1.0, tl.float32)
-            r = tl.math.div_rn(tl.full((1, 1), 1.0, tl.float32), tl.full((1, 1), 1.0, tl.float32) * s)
+            r = tl.math.div_rn(
+                tl.full((1, 1), 1.0, tl.float32), tl.full((1, 1), 1.0, tl.float32) * s
+            )
             y = _div(xf, ones * s, ones * r)
             sign = (xf.to(tl.int32, bitcast=True) >> 31) & 1
             if MODE == 1:
@@ -233,25 +314,95 @@ def _quant_tensor(
 
 @triton.jit
 def quant_write_kernel(
-    loc_ptr, T, R,
-    k_ptr, k_st, k_sh, k_sd,
-    kd_ptr, kd_row, kbs_ptr, kbs_row, kpm_ptr, ks_ptr,
-    v_ptr, v_st, v_sh, v_sd,
-    vd_ptr, vd_row, vbs_ptr, vbs_row, vpm_ptr, vs_ptr,
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
-    MODE: tl.constexpr, WRITE_LINEAR: tl.constexpr, WRITE_PM: tl.constexpr,
-    K_KIND: tl.constexpr, V_KIND: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    loc_ptr,
+    T,
+    R,
+    k_ptr,
+    k_st,
+    k_sh,
+    k_sd,
+    kd_ptr,
+    kd_row,
+    kbs_ptr,
+    kbs_row,
+    kpm_ptr,
+    ks_ptr,
+    v_ptr,
+    v_st,
+    v_sh,
+    v_sd,
+    vd_ptr,
+    vd_row,
+    vbs_ptr,
+    vbs_row,
+    vpm_ptr,
+    vs_ptr,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    PAGE: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_LINEAR: tl.constexpr,
+    WRITE_PM: tl.constexpr,
+    K_KIND: tl.constexpr,
+    V_KIND: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_CK: tl.constexpr,
+    BLOCK_CV: tl.constexpr,
 ):
     """Grid ``(cdiv(T, BLOCK_T), 2)`` (axis 1: 0 = K, 1 = V; MLA: 1 program row, K only)."""
     pid_t = tl.program_id(0)
     if tl.program_id(1) == 0:
         _quant_tensor(
-            k_ptr, k_st, k_sh, k_sd, loc_ptr, T, R, kd_ptr, kd_row, kbs_ptr, kbs_row, kpm_ptr,
-            ks_ptr, pid_t, H, DK, PAGE, MODE, WRITE_LINEAR, WRITE_PM, False, K_KIND, BLOCK_T, BLOCK_CK,
+            k_ptr,
+            k_st,
+            k_sh,
+            k_sd,
+            loc_ptr,
+            T,
+            R,
+            kd_ptr,
+            kd_row,
+            kbs_ptr,
+            kbs_row,
+            kpm_ptr,
+            ks_ptr,
+            pid_t,
+            H,
+            DK,
+            PAGE,
+            MODE,
+            WRITE_LINEAR,
+            WRITE_PM,
+            False,
+            K_KIND,
+            BLOCK_T,
+            BLOCK_CK,
         )
     else:
         _quant_tensor(
-            v_ptr, v_st, v_sh, v_sd, loc_ptr, T, R, vd_ptr, vd_row, vbs_ptr, vbs_row, vpm_ptr,
-            vs_ptr, pid_t, H, DV, PAGE, MODE, WRITE_LINEAR, WRITE_PM, True, V_KIND, BLOCK_T, BLOCK_CV,
+            v_ptr,
+            v_st,
+            v_sh,
+            v_sd,
+            loc_ptr,
+            T,
+            R,
+            vd_ptr,
+            vd_row,
+            vbs_ptr,
+            vbs_row,
+            vpm_ptr,
+            vs_ptr,
+            pid_t,
+            H,
+            DV,
+            PAGE,
+            MODE,
+            WRITE_LINEAR,
+            WRITE_PM,
+            True,
+            V_KIND,
+            BLOCK_T,
+            BLOCK_CV,
         )

@@ -24,17 +24,29 @@ import json
 import statistics
 import sys
 import time
-
-import torch
+from functools import partial
 
 import kvpool
+import torch
 from kvpool.config import ModelSpec
 from kvpool.write import dequantize_kv, write_kv
 
-CFG = {"num_hidden_layers": 1, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-       "hidden_size": 4096, "vocab_size": 128256}
-CASES = [("bf16", "linear"), ("fp8_e4m3", "linear"), ("fp8_e5m2", "linear"), ("nvfp4", "linear"),
-         ("nvfp4", "mixed"), ("fp4_mx_block16", "linear")]
+CFG = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_size": 4096,
+    "vocab_size": 128256,
+}
+CASES = [
+    ("bf16", "linear"),
+    ("fp8_e4m3", "linear"),
+    ("fp8_e5m2", "linear"),
+    ("nvfp4", "linear"),
+    ("nvfp4", "mixed"),
+    ("fp4_mx_block16", "linear"),
+]
 
 
 def heavy_tailed(t: int, h: int, d: int, gen: torch.Generator, device: str) -> torch.Tensor:
@@ -88,16 +100,27 @@ def main() -> int:
     loc = (pages[:, None] * page + torch.arange(page)[None, :]).reshape(-1).to(torch.int32).to(dev)
     in_bytes = k.numel() * 2 * 2 + loc.numel() * 4
 
-    res: dict = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "torch": torch.__version__,
-                 "triton": __import__("triton").__version__, "tokens": t_tok, "kv_heads": 8,
-                 "head_dim": 128, "page_size": page, "cases": [], "sweep": [], "roundtrip": []}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "tokens": t_tok,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "page_size": page,
+        "cases": [],
+        "sweep": [],
+        "roundtrip": [],
+    }
     big = torch.empty((1 << 30) if dev == "cuda" else 1 << 20, dtype=torch.uint8, device=dev)
     big2 = torch.empty_like(big)
-    res["copy_1gib_gbps"] = 2 * big.numel() / timed(lambda: big2.copy_(big), flush, 20) / 1e9
-    del big, big2
+    res["copy_1gib_gbps"] = 2 * big.numel() / timed(partial(big2.copy_, big), flush, 20) / 1e9
+    big = big2 = None  # free before the cases
 
     for dtype, recipe in CASES:
-        plan = kvpool.size_for(spec, dtype, num_tokens=2 * t_tok, page_size=page, nvfp4_recipe=recipe)
+        plan = kvpool.size_for(
+            spec, dtype, num_tokens=2 * t_tok, page_size=page, nvfp4_recipe=recipe
+        )
         pool = kvpool.KVPool(plan, device=dev)
         view = pool.layer(0)
         if dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
@@ -105,34 +128,55 @@ def main() -> int:
             ks, vs = float(k.float().abs().max()) / fmax, float(v.float().abs().max()) / fmax
             pool.set_kv_scales([ks], [vs], source="bench")
         out_bytes = 0
-        for name in ("k", "v", "k_block_scale", "v_block_scale", "k_block_scale_page_major",
-                     "v_block_scale_page_major"):
+        for name in (
+            "k",
+            "v",
+            "k_block_scale",
+            "v_block_scale",
+            "k_block_scale_page_major",
+            "v_block_scale_page_major",
+        ):
             buf = getattr(view, name)
             if buf is not None:
                 out_bytes += buf.numel() * buf.element_size() * t_tok // (plan.num_tokens + page)
         moved = in_bytes + out_bytes
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        copy_s = timed(lambda: dst.copy_(src), flush, a.iters)
+        copy_s = timed(partial(dst.copy_, src), flush, a.iters)
         copy_gbps = 2 * src.numel() / copy_s / 1e9
         best = None
         for bt, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)):
-            fn = lambda bt=bt, nw=nw: write_kv(view, loc, k, v, backend="triton", block_t=bt,
-                                               num_warps=nw)  # noqa: E731
+            fn = partial(write_kv, view, loc, k, v, backend="triton", block_t=bt, num_warps=nw)
             fn()
             s = timed(fn, flush, a.iters)
             gbps = moved / s / 1e9
-            res["sweep"].append({"dtype": dtype, "recipe": recipe, "block_t": bt, "num_warps": nw,
-                                 "us": s * 1e6, "gbps": gbps})
+            res["sweep"].append(
+                {
+                    "dtype": dtype,
+                    "recipe": recipe,
+                    "block_t": bt,
+                    "num_warps": nw,
+                    "us": s * 1e6,
+                    "gbps": gbps,
+                }
+            )
             if best is None or s < best[0]:
                 best = (s, bt, nw)
-        fn = lambda: write_kv(view, loc, k, v, backend="triton")  # noqa: E731  (the default launch)
+        fn = partial(write_kv, view, loc, k, v, backend="triton")  # the default launch
         fn()
         s_def = timed(fn, flush, a.iters)
-        row = {"dtype": dtype, "recipe": recipe, "bytes_moved": moved, "default_us": s_def * 1e6,
-               "default_gbps": moved / s_def / 1e9, "best_us": best[0] * 1e6,
-               "best_gbps": moved / best[0] / 1e9, "best_block_t": best[1], "best_num_warps": best[2],
-               "copy_same_bytes_gbps": copy_gbps}
+        row = {
+            "dtype": dtype,
+            "recipe": recipe,
+            "bytes_moved": moved,
+            "default_us": s_def * 1e6,
+            "default_gbps": moved / s_def / 1e9,
+            "best_us": best[0] * 1e6,
+            "best_gbps": moved / best[0] / 1e9,
+            "best_block_t": best[1],
+            "best_num_warps": best[2],
+            "copy_same_bytes_gbps": copy_gbps,
+        }
         row["default_vs_copy"] = row["default_gbps"] / copy_gbps
         row["best_vs_copy"] = row["best_gbps"] / copy_gbps
         row["default_vs_copy_1gib"] = row["default_gbps"] / res["copy_1gib_gbps"]
@@ -143,28 +187,55 @@ def main() -> int:
         for name, x, xh in (("k", k, kk), ("v", v, vv)):
             xf = x.float().view(-1, 128)
             rel = (xh - xf).norm(dim=1) / xf.norm(dim=1).clamp_min(1e-30)
-            res["roundtrip"].append({"dtype": dtype, "recipe": recipe, "tensor": name,
-                                     "mean_rel_l2": float(rel.mean()), "max_rel_l2": float(rel.max()),
-                                     "nonfinite": int((~torch.isfinite(xh)).sum())})
-        del pool, view, src, dst
+            res["roundtrip"].append(
+                {
+                    "dtype": dtype,
+                    "recipe": recipe,
+                    "tensor": name,
+                    "mean_rel_l2": float(rel.mean()),
+                    "max_rel_l2": float(rel.max()),
+                    "nonfinite": int((~torch.isfinite(xh)).sum()),
+                }
+            )
+        pool = view = src = dst = None
         torch.cuda.empty_cache()
-        print(f"{dtype:15s} {recipe:7s} default {row['default_us']:7.1f} us {row['default_gbps']:6.0f} GB/s "
-              f"({row['default_vs_copy']:.0%} of copy {copy_gbps:.0f}); best bt={best[1]} nw={best[2]} "
-              f"{row['best_gbps']:.0f} GB/s ({row['best_vs_copy']:.0%})", flush=True)
+        print(
+            f"{dtype:15s} {recipe:7s} default {row['default_us']:7.1f} us "
+            f"{row['default_gbps']:6.0f} GB/s "
+            f"({row['default_vs_copy']:.0%} of copy {copy_gbps:.0f}); "
+            f"best bt={best[1]} nw={best[2]} "
+            f"{row['best_gbps']:.0f} GB/s ({row['best_vs_copy']:.0%})",
+            flush=True,
+        )
 
-    lines = [f"# Quantized KV write on {res['device']} (torch {res['torch']}, triton {res['triton']})", "",
-             f"T = {t_tok} tokens, 8 KV heads, head_dim 128, bf16 K/V in, page_size {page}; "
-             f"1 GiB copy: {res['copy_1gib_gbps']:.0f} GB/s (read + write).", "",
-             "| dtype | recipe | bytes moved | default us | GB/s | % of same-size copy | best GB/s (block_t, warps) | % |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Quantized KV write on {res['device']} (torch {res['torch']}, triton {res['triton']})",
+        "",
+        f"T = {t_tok} tokens, 8 KV heads, head_dim 128, bf16 K/V in, page_size {page}; "
+        f"1 GiB copy: {res['copy_1gib_gbps']:.0f} GB/s (read + write).",
+        "",
+        "| dtype | recipe | bytes moved | default us | GB/s | % of same-size copy "
+        "| best GB/s (block_t, warps) | % |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["cases"]:
-        lines.append(f"| {r['dtype']} | {r['recipe']} | {r['bytes_moved']} | {r['default_us']:.1f} | "
-                     f"{r['default_gbps']:.0f} | {r['default_vs_copy']:.0%} | {r['best_gbps']:.0f} "
-                     f"({r['best_block_t']}, {r['best_num_warps']}) | {r['best_vs_copy']:.0%} |")
-    lines += ["", "Round trip (per token-head vector, relative L2 error):", "",
-              "| dtype | recipe | tensor | mean | max |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['dtype']} | {r['recipe']} | {r['bytes_moved']} | {r['default_us']:.1f} | "
+            f"{r['default_gbps']:.0f} | {r['default_vs_copy']:.0%} | {r['best_gbps']:.0f} "
+            f"({r['best_block_t']}, {r['best_num_warps']}) | {r['best_vs_copy']:.0%} |"
+        )
+    lines += [
+        "",
+        "Round trip (per token-head vector, relative L2 error):",
+        "",
+        "| dtype | recipe | tensor | mean | max |",
+        "|---|---|---|---|---|",
+    ]
     for r in res["roundtrip"]:
-        lines.append(f"| {r['dtype']} | {r['recipe']} | {r['tensor']} | {r['mean_rel_l2']:.4f} | {r['max_rel_l2']:.4f} |")
+        lines.append(
+            f"| {r['dtype']} | {r['recipe']} | {r['tensor']} | {r['mean_rel_l2']:.4f} "
+            f"| {r['max_rel_l2']:.4f} |"
+        )
     res["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with open(f"{a.out}/results.json", "w") as f:
         json.dump(res, f, indent=1)

@@ -77,7 +77,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 
 def storage_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a cache's data buffer (``uint8`` for the packed FP4 formats)."""
+    """Return the torch dtype of a cache's data buffer (``uint8`` for the packed FP4 formats)."""
     _check_dtype(dtype)
     if dtype in _FLOAT:
         return _FLOAT[dtype]
@@ -88,14 +88,20 @@ def storage_dtype(dtype: str) -> torch.dtype:
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
-        raise ValueError(f"`dtype` = {dtype!r} is not a KV dtype; expected one of {', '.join(DTYPES)}")
+        raise ValueError(
+            f"`dtype` = {dtype!r} is not a KV dtype; expected one of {', '.join(DTYPES)}"
+        )
 
 
-def _scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str = "scale") -> torch.Tensor:
+def _scale_tensor(
+    scale: float | torch.Tensor, device: torch.device, name: str = "scale"
+) -> torch.Tensor:
     """``scale`` as a 0-d float32 tensor on ``device`` (no host sync for tensors)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"`{name}` must be a float or a 0-d/[1] tensor, got shape {tuple(scale.shape)}")
+            raise ValueError(
+                f"`{name}` must be a float or a 0-d/[1] tensor, got shape {tuple(scale.shape)}"
+            )
         return scale.reshape(()).to(device=device, dtype=torch.float32)
     s = float(scale)
     if not (s > 0 and s != float("inf")):
@@ -104,9 +110,11 @@ def _scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str =
 
 
 def _round_to_grid(a: torch.Tensor, grid: str) -> torch.Tensor:
-    """Round non-negative finite fp32 ``a`` (already <= the grid's max) to the nearest grid
-    value, ties to even. The quantum is ``2^(max(floor(log2 a), emin) - mbits)``; ``a / quantum``
-    is exact (power of two) and ``torch.round`` rounds half to even."""
+    """Round non-negative finite fp32 ``a`` (<= the grid's max) to the grid, ties to even.
+
+    The quantum is ``2^(max(floor(log2 a), emin) - mbits)``; ``a / quantum``
+    is exact (power of two) and ``torch.round`` rounds half to even.
+    """
     mbits, emin = _GRID[grid]
     _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
     exp = torch.clamp(e - 1, min=emin)
@@ -166,8 +174,11 @@ def _sanitize_fp4(xb: torch.Tensor) -> torch.Tensor:
 
 
 def mx_exponent_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """UE8M0 block-scale bytes for block amaxes: ``clamp(ceil(log2(amax / 6)) + 127, 0, 254)``,
-    127 for all-zero blocks. ``ceil(log2)`` is exact (from ``frexp``, not ``log2``)."""
+    """Compute UE8M0 block-scale bytes from block amaxes.
+
+    ``clamp(ceil(log2(amax / 6)) + 127, 0, 254)``, 127 for all-zero blocks; ``ceil(log2)`` is
+    exact (from ``frexp``, not ``log2``).
+    """
     r = amax.float() / E2M1_MAX
     m, e = torch.frexp(r)  # r = m * 2^e, m in [0.5, 1)
     ceil_log2 = torch.where(m == 0.5, e - 1, e)
@@ -289,6 +300,8 @@ def dequantize(
     else:
         if block_scale.dtype != torch.uint8:
             raise ValueError(f"`block_scale` is {block_scale.dtype}, expected torch.uint8 (ue8m0)")
-        s = torch.ldexp(torch.ones(block_scale.shape, device=data.device), block_scale.float() - 127.0)
+        s = torch.ldexp(
+            torch.ones(block_scale.shape, device=data.device), block_scale.float() - 127.0
+        )
         out = vb * s.unsqueeze(-1)
     return out.reshape(vals.shape).to(out_dtype)
