@@ -34,9 +34,9 @@ pub fn kv_budget(total_memory: u64, available_memory: u64, mem_frac: f64) -> Res
     if available_memory > total_memory {
         return Err(SizingError::AvailableAboveTotal { available: available_memory, total: total_memory });
     }
-    // f64 holds byte counts exactly up to 2^53 (8 PiB); round the reserve up so the pool never
-    // takes a byte of the activations' share.
-    let reserved = (total_memory as f64 * (1.0 - mem_frac)).ceil() as u64;
+    // f64 holds byte counts exactly up to 2^53 (8 PiB); round to the nearest byte so that
+    // 1 - 0.85 = 0.15000000000000002 does not cost a byte.
+    let reserved = (total_memory as f64 * (1.0 - mem_frac)).round() as u64;
     if available_memory <= reserved {
         return Err(SizingError::NoBudget { available: available_memory, reserved, total: total_memory, mem_frac });
     }
