@@ -286,3 +286,26 @@ def test_weights_from_checkpoint_index(tmp_path):
     plan = kvpool.size_for(tmp_path, "bf16", 0.9, total_memory=80 * GIB)
     assert plan.budget.weights == 12 * GIB and plan.budget.weights_source == "checkpoint"
     assert plan.budget_bytes == 80 * GIB - 12 * GIB - 8 * GIB
+
+
+@pytest.mark.parametrize(
+    "model, billions",
+    # published totals: DeepSeek-V3 671B (without the 14B MTP module), gemma-2-9b 9.24B,
+    # gpt-oss-120b 116.8B, Mixtral-8x7B 46.7B, Qwen3-8B 8.2B, Llama-3.1-70B 70.6B
+    [("deepseek-ai/DeepSeek-V3", 671.0), ("google/gemma-2-9b-it", 9.24),
+     ("openai/gpt-oss-120b", 116.8), ("mistralai/Mixtral-8x7B-v0.1", 46.7),
+     ("Qwen/Qwen3-8B", 8.19), ("meta-llama/Llama-3.1-70B", 70.55)],
+)
+def test_parameter_estimates_match_published_counts(model, billions):
+    from kvpool.weights import parameter_counts
+
+    n = sum(parameter_counts(kvpool.ModelSpec.from_pretrained(model)).values())
+    assert n / 1e9 == pytest.approx(billions, rel=0.01)
+
+
+def test_fp8_checkpoint_weights_are_one_byte():
+    from kvpool.weights import estimate_weight_bytes
+
+    bf16 = estimate_weight_bytes(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-30B-A3B"))
+    fp8 = estimate_weight_bytes(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-30B-A3B-FP8"))
+    assert 0.5 < fp8 / bf16 < 0.53  # embeddings and norms stay bf16
