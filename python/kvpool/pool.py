@@ -153,6 +153,8 @@ class KVPool:
             ``layer`` is out of range or stores no KV (linear attention).
         """
         try:
+            if isinstance(layer, bool):
+                raise TypeError
             return self._views[layer]
         except (KeyError, TypeError):
             raise KeyError(
