@@ -597,3 +597,34 @@ def pool_write(pool, mode, loc, k, v):
         write_kv(pool.layer(0), loc, k, v, backend="triton")
     else:
         pool.write(0, loc, k, v)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "dtype,heads,head_dim",
+    [("fp8_e4m3", 3, 80), ("fp8_e5m2", 5, 24), ("nvfp4", 3, 48), ("fp4_mx_block16", 5, 16)],
+)
+def test_head_sizes_that_are_not_powers_of_two(mode, dtype, heads, head_dim):
+    """H * D not a power of two: the padded tile columns must neither load nor store."""
+    dev = device_for(mode)
+    pool = make_pool(
+        dtype, dev, heads=heads, head_dim=head_dim, page_size=4, num_tokens=32, layers=1
+    )
+    set_scales(pool, 0.03, 0.07)
+    k = heavy_tailed((6, heads, head_dim), 11)
+    v = heavy_tailed((6, heads, head_dim), 12)
+    loc = torch.tensor([4, 35, 17, 9, 22, 5])
+    before = snapshot(pool)
+    write_kv(pool.layer(0), loc.to(dev), k.to(dev), v.to(dev), backend=backend_for(mode))
+    assert_buffers_equal(pool, expected_after(pool, before, 0, loc, k, v))
+    for which, x in (("k", k), ("v", v)):
+        got = dequantize_kv(pool.layer(0), loc.to(dev), which, backend=backend_for(mode)).cpu()
+        sc = pool.buffers.get(
+            f"layers.0.{which}_scale", pool.buffers.get(f"layers.0.{which}_global_scale")
+        )
+        ref = formats.dequantize(
+            *formats.quantize(x, dtype, sc.cpu() if sc is not None else 1.0),
+            dtype,
+            sc.cpu() if sc is not None else 1.0,
+        )
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
