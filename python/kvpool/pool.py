@@ -245,9 +245,12 @@ class KVPool:
         return k, v
 
     def _warn_missing_scales_once(self) -> None:
-        """fp8_e4m3 layers whose k/v scales were never set run at 1.0: warn once per pool.
+        """Warn once per pool when fp8_e4m3 layers run at k/v scale 1.0 (never set).
+
         e5m2 (whose range makes 1.0 usable) and nvfp4 global scales of 1.0 are only logged.
-        Scales from a checkpoint, a JSON file, calibration or the caller never warn."""
+        Scales from a checkpoint, a JSON file, calibration or the caller never warn. The read
+        paths (decode/extend) may call this too; it acts once.
+        """
         if getattr(self, "_scales_checked", False):
             return
         self._scales_checked = True

@@ -96,7 +96,7 @@ def warn_missing_scales(layer_dtypes: Mapping[int, str]) -> None:
             f"{n} of {len(layer_dtypes)} KV layers (layers {_ranges(by['fp8_e4m3'])}) are fp8_e4m3 "
             f"with k/v scale 1.0: values beyond 448 saturate and small ones lose precision; {how}",
             MissingKVScalesWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of pool.write
         )
     if by["fp8_e5m2"]:
         logger.info(
