@@ -83,6 +83,24 @@ _FIELD = {
 }
 
 
+def _scales_f32(name: str, scales: Sequence[float], n: int) -> list[float]:
+    """Scales as the fp32 values the buffers will hold, checked before anything is written."""
+    vals = list(scales)
+    if len(vals) != n:
+        raise ValueError(f"`{name}` has {len(vals)} entries, the model has {n} layers")
+    out = []
+    for i, x in enumerate(vals):
+        if isinstance(x, (bool, str)) or not isinstance(x, (int, float)):
+            raise ValueError(f"`{name}[{i}]` = {x!r}: scales are numbers (layer {i})")
+        f32 = float(torch.tensor(float(x), dtype=torch.float32))
+        if not (0 < f32 < float("inf")):
+            raise ValueError(
+                f"`{name}[{i}]` = {x}: scales must be finite and > 0 in fp32 (layer {i})"
+            )
+        out.append(f32)
+    return out
+
+
 class KVPool:
     """The KV cache buffers of one rank, allocated exactly as ``plan.buffers`` lists them.
 
@@ -182,13 +200,7 @@ class KVPool:
             Wrong length, or a scale that is not finite and positive (naming the layer).
         """
         n = self.plan.spec.num_layers
-        ks, vs = [list(map(float, s)) for s in (k_scales, v_scales)]
-        for name, s in (("k_scales", ks), ("v_scales", vs)):
-            if len(s) != n:
-                raise ValueError(f"`{name}` has {len(s)} entries, the model has {n} layers")
-            for i, x in enumerate(s):
-                if not (x > 0 and x != float("inf")):
-                    raise ValueError(f"`{name}[{i}]` = {x}: scales must be finite and > 0 (layer {i})")
+        ks, vs = (_scales_f32(name, s, n) for name, s in (("k_scales", k_scales), ("v_scales", v_scales)))
         for layer, view in self._views.items():
             if view.k_scale is not None:
                 view.k_scale.fill_(ks[layer])
