@@ -659,6 +659,8 @@ def test_pool_methods_delegate_to_attention():
         bundled_models()[0], "fp8_e4m3", 0.9, num_tokens=64, page_size=16, weights=0, gpu="H200"
     )
     pool = kvpool.KVPool(plan, device="cpu")
+    n = plan.spec.num_layers
+    pool.set_kv_scales([1.0] * n, [1.0] * n)  # unset fp8 scales would warn (an error here)
     view = pool.layer(0)
     gen = torch.Generator().manual_seed(0)
     for t in (view.k, view.v):
