@@ -17,6 +17,7 @@ Rules (each learnt from a fault seen in a peer engine, see ``shared/CASES.md``):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -40,12 +41,17 @@ _DTYPE_NAMES = {
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+@functools.lru_cache(maxsize=1)
+def _bundled() -> tuple[str, ...]:
+    files = resources.files("kvpool").joinpath("models").iterdir()
+    return tuple(
+        sorted(f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json"))
+    )
+
+
 def bundled_models() -> list[str]:
     """Hub ids of the bundled ``config.json`` files (``org/name``), sorted."""
-    files = resources.files("kvpool").joinpath("models").iterdir()
-    return sorted(
-        f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json")
-    )
+    return list(_bundled())
 
 
 def _read_json(path: Path) -> dict[str, Any]:

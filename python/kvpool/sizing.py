@@ -159,7 +159,9 @@ class Plan:
         return d
 
 
-def _spec(model: ModelSpec | str | os.PathLike[str], model_dtype: str | None) -> ModelSpec:
+def _spec(model: ModelSpec | dict | str | os.PathLike[str], model_dtype: str | None) -> ModelSpec:
+    if isinstance(model, dict):
+        return ModelSpec.from_dict(model, dtype=model_dtype)
     if isinstance(model, ModelSpec):
         if model_dtype is not None:
             from dataclasses import replace
@@ -231,7 +233,7 @@ def _measure_device(available_memory: int | None) -> tuple[int, int]:
 
 
 def size_for(
-    model: ModelSpec | str | os.PathLike[str],
+    model: ModelSpec | dict | str | os.PathLike[str],
     dtype: str = "auto",
     mem_frac: float = 0.9,
     *,
@@ -257,8 +259,9 @@ def size_for(
 
     Parameters
     ----------
-    model : ModelSpec, str or path
-        A spec, a config.json / model directory / GGUF path, or a bundled hub id.
+    model : ModelSpec, dict, str or path
+        A spec, a parsed config.json dict, a config.json / model directory / GGUF path, or a
+        bundled hub id (see :func:`kvpool.config.bundled_models`).
     dtype : str
         KV dtype: ``auto`` (the model's dtype), ``fp32``, ``bf16``, ``fp16``, ``fp8``/``fp8_e4m3``,
         ``fp8_e5m2``, ``nvfp4``, ``fp4_mx_block16``.

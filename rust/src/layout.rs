@@ -167,10 +167,12 @@ pub struct BufferTemplate {
 impl BufferTemplate {
     /// Bytes one row adds (0 for fixed buffers).
     pub fn row_bytes(&self) -> u64 {
-        if self.per_row {
-            self.inner_shape.iter().product::<u64>() * self.elem.bytes()
-        } else {
-            0
+        let elems = self.inner_shape.iter().product::<u64>();
+        match (self.per_row, self.page_major) {
+            // [H, page_size, D/16] is one page's worth: divide by the page's rows.
+            (true, true) => elems / self.inner_shape[1] * self.elem.bytes(),
+            (true, false) => elems * self.elem.bytes(),
+            (false, _) => 0,
         }
     }
 

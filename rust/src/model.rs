@@ -9,6 +9,9 @@ pub enum ModelError {
     /// A field that must be positive is zero.
     #[error("`{field}` must be positive, got 0")]
     Zero { field: &'static str },
+    /// A number far beyond any real model (guards the byte arithmetic against overflow).
+    #[error("`{field}` = {value} exceeds {limit}; no real model is that large")]
+    TooLarge { field: &'static str, value: u64, limit: u64 },
     /// The model has no layer that owns KV pages.
     #[error("the model has no attention layer that stores KV (all {num_layers} layers are linear-attention)")]
     NoKvLayers { num_layers: usize },
@@ -74,6 +77,25 @@ impl ModelGeometry {
     pub fn validate(&self) -> Result<(), ModelError> {
         if self.layers.is_empty() {
             return Err(ModelError::Zero { field: "num_hidden_layers" });
+        }
+        const MAX_LAYERS: u64 = 1 << 16;
+        const MAX_DIM: u64 = 1 << 20;
+        let n = self.layers.len() as u64;
+        if n > MAX_LAYERS {
+            return Err(ModelError::TooLarge { field: "num_hidden_layers", value: n, limit: MAX_LAYERS });
+        }
+        let mla = self.mla.unwrap_or(Mla { kv_lora_rank: 0, qk_rope_head_dim: 0 });
+        for (field, v) in [
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("kv_lora_rank", mla.kv_lora_rank),
+            ("qk_rope_head_dim", mla.qk_rope_head_dim),
+        ] {
+            if v > MAX_DIM {
+                return Err(ModelError::TooLarge { field, value: v, limit: MAX_DIM });
+            }
         }
         if self.mla.is_none() {
             for (field, v) in [

@@ -34,9 +34,9 @@ pub fn kv_budget(total_memory: u64, available_memory: u64, mem_frac: f64) -> Res
     if available_memory > total_memory {
         return Err(SizingError::AvailableAboveTotal { available: available_memory, total: total_memory });
     }
-    // f64 holds byte counts exactly up to 2^53 (8 PiB); round the reserve up so the pool never
-    // takes a byte of the activations' share.
-    let reserved = (total_memory as f64 * (1.0 - mem_frac)).ceil() as u64;
+    // f64 holds byte counts exactly up to 2^53 (8 PiB); round to the nearest byte so that
+    // 1 - 0.85 = 0.15000000000000002 does not cost a byte.
+    let reserved = (total_memory as f64 * (1.0 - mem_frac)).round() as u64;
     if available_memory <= reserved {
         return Err(SizingError::NoBudget { available: available_memory, reserved, total: total_memory, mem_frac });
     }
@@ -139,5 +139,104 @@ impl Plan {
                 tokens * self.layout.layer_bytes_per_token(i)
             })
             .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::KvDtype;
+    use crate::layout::Nvfp4Recipe;
+    use crate::model::{LinearState, Mla};
+
+    const GIB: u64 = 1 << 30;
+
+    fn gqa(layers: usize, kv: u64, d: u64) -> ModelGeometry {
+        ModelGeometry {
+            layers: vec![LayerKind::Full; layers],
+            num_attention_heads: 4 * kv,
+            num_kv_heads: kv,
+            head_dim: d,
+            v_head_dim: d,
+            mla: None,
+            linear_state: LinearState::default(),
+        }
+    }
+
+    fn cfg(dtype: KvDtype, page_size: u64, tp_size: u64) -> LayoutConfig {
+        LayoutConfig { dtype, overrides: vec![], sliding_dtype: None, page_size, tp_size, nvfp4_recipe: Nvfp4Recipe::Linear }
+    }
+
+    #[test]
+    fn llama8b_capacities_in_10_gib() {
+        // KVB-07: 32 layers, 8 KV heads, head_dim 128.
+        let m = gqa(32, 8, 128);
+        let cases = [
+            (KvDtype::Bf16, 131_072, 0, 81_919),
+            (KvDtype::Fp8E4m3, 65_536, 256, 163_838),
+            (KvDtype::Nvfp4, 36_864, 256, 291_270),
+            (KvDtype::Fp4MxBlock16, 36_864, 0, 291_270),
+        ];
+        for (d, bpt, fixed, tokens) in cases {
+            let plan = Plan::new(&m, &cfg(d, 1, 1), 10 * GIB).unwrap();
+            assert_eq!(plan.layout.bytes_per_token(), bpt, "{d}");
+            assert_eq!(plan.layout.fixed_bytes(), fixed, "{d}");
+            assert_eq!(plan.num_tokens, tokens, "{d}");
+        }
+    }
+
+    #[test]
+    fn mla_latent_is_one_per_token_on_every_rank() {
+        let m = ModelGeometry {
+            mla: Some(Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 }),
+            ..gqa(61, 128, 192)
+        };
+        for tp in [1, 3, 8, 16] {
+            let l = Layout::new(&m, &cfg(KvDtype::Bf16, 1, tp)).unwrap();
+            assert_eq!(l.bytes_per_token(), 70_272);
+        }
+    }
+
+    #[test]
+    fn capacity_is_page_aligned_and_fits() {
+        let l = Layout::new(&gqa(4, 8, 128), &cfg(KvDtype::Nvfp4, 16, 1)).unwrap();
+        for budget in [l.total_bytes(16), l.total_bytes(16) + 1, 123_456_789, 10 * GIB] {
+            let n = capacity(&l, budget).unwrap();
+            assert_eq!(n % 16, 0);
+            assert!(l.total_bytes(n) <= budget && l.total_bytes(n + 16) > budget);
+        }
+        let too_small = l.total_bytes(16) - 1;
+        assert!(matches!(capacity(&l, too_small), Err(SizingError::TooSmall { missing: 1, .. })));
+    }
+
+    #[test]
+    fn budget_rules() {
+        assert_eq!(kv_budget(80 * GIB, 60 * GIB, 0.85).unwrap(), 48 * GIB);
+        assert!(matches!(kv_budget(1, 1, 0.0), Err(SizingError::MemFrac { .. })));
+        assert!(matches!(kv_budget(1, 1, f64::NAN), Err(SizingError::MemFrac { .. })));
+        assert!(matches!(kv_budget(GIB, 2 * GIB, 0.5), Err(SizingError::AvailableAboveTotal { .. })));
+        assert!(matches!(kv_budget(GIB, GIB / 4, 0.5), Err(SizingError::NoBudget { .. })));
+    }
+
+    #[test]
+    fn tp_heads() {
+        let m = gqa(80, 8, 128);
+        let per_rank: Vec<u64> = [1, 2, 4, 8, 16, 32].iter().map(|&tp| m.kv_heads_per_rank(tp).unwrap()).collect();
+        assert_eq!(per_rank, [8, 4, 2, 1, 1, 1]);
+        assert!(m.kv_heads_per_rank(3).is_err() && m.kv_heads_per_rank(12).is_err() && m.kv_heads_per_rank(0).is_err());
+    }
+
+    #[test]
+    fn sliding_request_bytes() {
+        // KVB-03: 18 sliding (window 128) + 18 full layers, 2,048 bytes per layer per token.
+        let mut m = gqa(36, 8, 64);
+        for (i, l) in m.layers.iter_mut().enumerate() {
+            if i % 2 == 0 {
+                *l = LayerKind::Sliding { window: 128 };
+            }
+        }
+        let plan = Plan::new(&m, &cfg(KvDtype::Bf16, 1, 1), GIB).unwrap();
+        assert_eq!(plan.request_bytes(&m, 100), 7_372_800);
+        assert_eq!(plan.request_bytes(&m, 8192), 306_708_480);
     }
 }
