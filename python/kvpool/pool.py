@@ -193,3 +193,64 @@ class KVPool:
             if view.v_scale is not None:
                 view.v_scale.fill_(vs[layer])
         self.scales_source = source
+
+    # --- quantized write / dequantize (kvpool.write) and the missing-scales warning ---------
+
+    #: Check slots and finiteness on every write (host sync); the CPU path always checks.
+    debug: bool = False
+
+    def write(
+        self,
+        layer: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        *,
+        debug: bool | None = None,
+    ) -> None:
+        """Quantize and store one layer's new K/V at slots ``loc`` (one fused kernel on the GPU).
+
+        ``loc`` ``[T]`` int32/int64, ``k`` ``[T, H, D]``, ``v`` ``[T, H, Dv]`` (None for MLA),
+        bf16/fp16/fp32. Layouts, NaN/Inf rules and checks: :func:`kvpool.write.write_kv`.
+        The first write of an fp8_e4m3 pool whose scales were never set warns once.
+
+        Raises
+        ------
+        ValueError
+            Bad shapes/dtypes/devices; out-of-range slots or non-finite values on the CPU path
+            or with ``debug`` (default: ``pool.debug``).
+        KeyError
+            ``layer`` stores no KV.
+        """
+        from kvpool.write import write_kv
+
+        self._warn_missing_scales_once()
+        write_kv(self.layer(layer), loc, k, v, debug=self.debug if debug is None else debug)
+
+    def dequantize(
+        self, layer: int, loc: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Read slots ``loc`` of one layer back as values: ``(k [N, H, D], v [N, H, Dv] or None)``.
+
+        The unfused reference read path (and what tests compare against); uses the same
+        per-layer scales as the write and attention paths.
+        """
+        from kvpool.write import dequantize_kv
+
+        view = self.layer(layer)
+        k = dequantize_kv(view, loc, "k", out_dtype)
+        v = None if view.is_mla else dequantize_kv(view, loc, "v", out_dtype)
+        return k, v
+
+    def _warn_missing_scales_once(self) -> None:
+        """fp8_e4m3 layers whose k/v scales were never set run at 1.0: warn once per pool.
+        e5m2 (whose range makes 1.0 usable) and nvfp4 global scales of 1.0 are only logged.
+        Scales from a checkpoint, a JSON file, calibration or the caller never warn."""
+        if getattr(self, "_scales_checked", False):
+            return
+        self._scales_checked = True
+        if self.scales_source is not None:
+            return
+        from kvpool.scales import warn_missing_scales
+
+        warn_missing_scales({i: v.dtype for i, v in self._views.items()})
