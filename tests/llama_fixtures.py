@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from kvpool.config import ModelSpec
 from kvpool.llama import Llama
 

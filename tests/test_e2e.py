@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 
+import kvpool
 import numpy as np
 import pytest
 import torch
-from llama_fixtures import EXAMPLES, SMOLLM2, needs_smollm2, tiny_llama
-
-import kvpool
 from kvpool import fidelity
 from kvpool.llama import Step
+from llama_fixtures import EXAMPLES, SMOLLM2, needs_smollm2, tiny_llama
 
 serve = pytest.importorskip("serve", reason=f"examples/serve.py not importable from {EXAMPLES}")
 
@@ -77,6 +76,42 @@ def test_step_build():
         Step.build([np.array([5])], [3], [2], 4)
     with pytest.raises(ValueError, match="one entry per request"):
         Step.build([np.array([5])], [3, 1], [2], 2)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(("dtype", "tol"), [("fp32", 1e-4), ("fp8_e4m3", 2e-2), ("nvfp4", 5e-2)])
+def test_model_through_triton_kernels_matches_torch_attention(tiny, dtype, tol):
+    """The model driving the Triton kernels (interpreted on CPU; per-step plans shared by every
+    layer) gives the logits of the torch reference attention on the same pool contents."""
+    ps = 4
+    prompts_ = prompts(5, 2, lo=6, hi=11)
+    out = {}
+    for backend in ("triton", "torch"):
+        tiny.attn_backend = backend
+        pool = fidelity.pool_for(tiny, dtype, 64, page_size=ps)
+        if dtype != "fp32":
+            pool.set_kv_scales([0.05] * 2, [0.05] * 2)
+        pages = [np.arange(1, 8, dtype=np.int32), np.arange(8, 15, dtype=np.int32)]
+        lens = [len(p) for p in prompts_]
+        # request 0 prefills in two parts (a prefix ending mid-page), then both decode 3 tokens
+        rows = [tiny.forward(pool, torch.tensor(prompts_[0][:3]),
+                             Step.build(pages[:1], [0], [3], ps), all_logits=True)]  # fmt: skip
+        ids = torch.tensor(prompts_[0][3:] + prompts_[1])
+        rows.append(tiny.forward(pool, ids, Step.build(pages, [3, 0], [lens[0] - 3, lens[1]], ps),
+                                 all_logits=True))  # fmt: skip
+        seq = lens
+        for t in range(3):
+            step = Step.build(pages, seq, [1, 1], ps)
+            rows.append(tiny.forward(pool, torch.tensor([t + 1, t + 2]), step))
+            seq = [x + 1 for x in seq]
+        out[backend] = torch.cat(rows)
+    tiny.attn_backend = "auto"
+    a, b = out["triton"], out["torch"]
+    if dtype == "fp32":
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    else:  # the kernels dot fp8/fp4 values in fp16, the reference in fp32
+        assert (a - b).abs().max() <= tol * b.abs().max()
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
 # ------------------------------------------------------------------ the serving loop
@@ -245,7 +280,8 @@ def test_loader_matches_transformers_gguf_loading(smol):
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
     sd = hf.state_dict()
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
+    for name in ("model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.29.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):  # fmt: skip
         torch.testing.assert_close(sd[name].float(), model.w[name], rtol=0, atol=0)
     ids = torch.tensor(fixed_text(tok, 64))

@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 import struct
 
+import kvpool
 import numpy as np
 import pytest
 import torch
+from kvpool import ModelConfigError
+from kvpool.gguf import config_from_gguf, read_header, spec_from_gguf, unpermute_qk
+from kvpool.llama import Llama
 from llama_fixtures import (
     SMOLLM2,
     TINY,
@@ -21,11 +25,6 @@ from llama_fixtures import (
     tiny_weights,
     write_tiny_gguf,
 )
-
-import kvpool
-from kvpool import ModelConfigError
-from kvpool.gguf import config_from_gguf, read_header, spec_from_gguf, unpermute_qk
-from kvpool.llama import Llama
 
 pytest.importorskip("gguf")
 
@@ -56,7 +55,6 @@ def test_spec_from_synthetic_gguf(tiny_gguf):
 def test_loader_unpermutes_qk_and_dequantizes(tiny_gguf):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
-
     from kvpool.gguf import load_gguf_weights
 
     want = tiny_weights()

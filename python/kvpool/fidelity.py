@@ -56,8 +56,10 @@ class Fidelity:
 def calibrate_scales(
     past: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: str
 ) -> tuple[list[float], list[float]] | None:
-    """Per-layer ``(k_scales, v_scales)`` for ``dtype`` from sample K/V (per layer
-    ``[Hkv, N, D]``, K after RoPE), or None for dtypes without such scales.
+    """Calibrate per-layer ``(k_scales, v_scales)`` for ``dtype`` from sample K/V.
+
+    ``past`` holds per layer ``[Hkv, N, D]`` K (after RoPE) and V; None for dtypes without such
+    scales.
 
     fp8: ``amax / format max``; nvfp4: the global scale ``amax / (6 * 448)``. A layer whose
     samples are all zero gets 1.0.
@@ -96,7 +98,7 @@ def pool_for(
     page_size: int = 16,
     scales: tuple[list[float], list[float]] | None = None,
 ) -> KVPool:
-    """A pool on the model's device holding ``num_tokens`` tokens of ``dtype`` (scales set)."""
+    """Make a pool on the model's device holding ``num_tokens`` tokens of ``dtype``."""
     from kvpool.pool import KVPool
 
     plan = size_for(model.spec, dtype, num_tokens=num_tokens, page_size=page_size)

@@ -1,5 +1,4 @@
-"""GGUF files: model geometry from the metadata, weights dequantized into Hugging Face names, and
-the tokenizer.
+"""GGUF files: geometry from the metadata, weights in Hugging Face names, the tokenizer.
 
 The header (metadata and tensor table) is parsed here with :mod:`struct`, so that
 ``ModelSpec.from_pretrained("model.gguf")`` needs neither the ``gguf`` package nor a pass over the
@@ -41,8 +40,11 @@ _BIG_ARRAY = 1024
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of a GGUF file: ``shape`` as GGUF lists it (fastest dimension first),
-    ``ggml_type`` the GGML type id, ``offset`` in bytes from the start of the file."""
+    """One tensor of a GGUF file.
+
+    ``shape`` as GGUF lists it (fastest dimension first), ``ggml_type`` the GGML type id,
+    ``offset`` in bytes from the start of the file.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -159,7 +161,7 @@ def _parse(c: _Cursor, p: Path, arrays: bool) -> GGUFHeader:
 
 # ---------------------------------------------------------------------------------- geometry
 def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
-    """A Hugging Face style ``config.json`` dict built from GGUF metadata.
+    """Build a Hugging Face style ``config.json`` dict from GGUF metadata.
 
     Raises
     ------
@@ -246,7 +248,8 @@ def spec_from_gguf(path: str | os.PathLike[str], *, dtype: str | None = None) ->
     from kvpool.config import ModelSpec
 
     header = read_header(path)
-    spec = ModelSpec.from_dict(config_from_gguf(header), name=str(header.path), dtype=dtype or "fp32")
+    cfg = config_from_gguf(header)
+    spec = ModelSpec.from_dict(cfg, name=str(header.path), dtype=dtype or "fp32")
     return spec if dtype is not None else replace(spec, dtype_source="gguf")
 
 
@@ -270,8 +273,9 @@ _HF_LAYER = {
 
 
 def hf_name(gguf_name: str) -> str:
-    """The Hugging Face Llama name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``).
+    """Map a GGUF tensor name to its Hugging Face Llama name.
+
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``.
 
     Raises
     ------
@@ -356,13 +360,14 @@ def load_gguf_weights(
             w = unpermute_qk(w, heads)
         elif name.endswith("k_proj.weight"):
             w = unpermute_qk(w, kv_heads)
-        out[name] = torch.from_numpy(np.require(w, requirements=["C", "W"])).to(dtype or torch.float32)
+        t = torch.from_numpy(np.require(w, requirements=["C", "W"]))
+        out[name] = t.to(dtype or torch.float32)
     return cfg, out
 
 
 # ---------------------------------------------------------------------------------- tokenizer
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Any:
-    """A ``tokenizers.Tokenizer`` built from a GGUF file's byte-level BPE vocabulary.
+    """Build a ``tokenizers.Tokenizer`` from a GGUF file's byte-level BPE vocabulary.
 
     Handles ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE); the ``smollm`` / ``starcoder``
     pre-tokenizers also split digits one by one. Control tokens (``token_type == 3``) are special.
@@ -397,7 +402,6 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Any:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     types = m.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    )
+    control = [i for i, t in enumerate(types) if t == 3]
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
     return tok

@@ -4,10 +4,10 @@ This is the reference client of the pool API: each layer projects Q/K/V, applies
 (after RoPE, as the cache keeps it) and V with ``pool.write(layer, loc, k, v)`` and attends with
 :func:`kvpool.attention.extend` (prefill, several new tokens per request) or
 :func:`kvpool.attention.decode` (one new token per request), reading every key and value back from
-the pool. The attention plan (launch metadata) is made once per step and shared by all layers. The fidelity harness
-(:mod:`kvpool.fidelity`), the tests and ``examples/serve.py`` drive it. It is not a serving engine:
-no sampling policy, no scheduler, no tensor parallelism; batching metadata comes from the caller as
-a :class:`Step`.
+the pool. The attention plan (launch metadata) is made once per step and shared by all layers.
+The fidelity harness (:mod:`kvpool.fidelity`), the tests and ``examples/serve.py`` drive it.
+It is not a serving engine: no sampling policy, no scheduler, no tensor parallelism; batching
+metadata comes from the caller as a :class:`Step`.
 
 :meth:`Llama.forward_reference` runs the same weights with an ordinary contiguous full-precision
 cache (plain tensors, :func:`torch.nn.functional.scaled_dot_product_attention`), the yardstick
@@ -40,8 +40,9 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 @dataclass
 class Step:
-    """Layer-independent metadata of one forward step over a batch of ``B`` requests that add
-    ``T`` tokens in total (packed request after request).
+    """Layer-independent metadata of one forward step.
+
+    A batch of ``B`` requests adds ``T`` tokens in total (packed request after request).
 
     Attributes
     ----------
@@ -55,7 +56,8 @@ class Step:
     seq_lens : torch.Tensor
         ``[B]`` int32, tokens of each request in the cache after this step (prefix + new).
     cu_seqlens_q : torch.Tensor
-        ``[B + 1]`` int32, request ``b``'s new tokens are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+        ``[B + 1]`` int32; request ``b``'s new tokens are rows
+        ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
     """
 
     positions: torch.Tensor
@@ -75,7 +77,7 @@ class Step:
         return self.cu_seqlens_q[1:].to(torch.int64) - 1
 
     def to(self, device: torch.device | str) -> Step:
-        """The same metadata on ``device``."""
+        """Copy the metadata to ``device``."""
         return Step(*(t.to(device, non_blocking=True) for t in self.__dict__.values()))
 
     @classmethod
@@ -87,8 +89,10 @@ class Step:
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> Step:
-        """Metadata for requests that hold ``pages[i]`` (page ids, covering at least
-        ``prefix_lens[i] + extend_lens[i]`` tokens) and add ``extend_lens[i]`` tokens after
+        """Build the metadata with kvpool's Rust batch helpers.
+
+        Request ``i`` holds ``pages[i]`` (page ids covering at least
+        ``prefix_lens[i] + extend_lens[i]`` tokens) and adds ``extend_lens[i]`` tokens after
         ``prefix_lens[i]`` cached ones.
 
         Raises
@@ -101,7 +105,9 @@ class Step:
         from kvpool import extend_slots, page_table
 
         if not (len(pages) == len(prefix_lens) == len(extend_lens)):
-            raise ValueError("`pages`, `prefix_lens` and `extend_lens` must have one entry per request")
+            raise ValueError(
+                "`pages`, `prefix_lens` and `extend_lens` must have one entry per request"
+            )
         pre = np.asarray(prefix_lens, dtype=np.int64).reshape(-1)
         ext = np.asarray(extend_lens, dtype=np.int64).reshape(-1)
         seq = pre + ext
@@ -140,8 +146,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Llama:
-    """Llama-family decoder (SmolLM2, Llama 2/3 without RoPE scaling, Mistral without sliding
-    window) with its weights as plain tensors.
+    """Llama-family decoder with its weights as plain tensors.
+
+    SmolLM2, Llama 2/3 without RoPE scaling, Mistral without sliding window.
 
     Parameters
     ----------
@@ -181,7 +188,8 @@ class Llama:
         if config.get("rope_scaling") or config.get("rope_dim", spec.head_dim) != spec.head_dim:
             raise ModelConfigError(
                 "this compact Llama handles plain RoPE over the whole head only; "
-                f"got rope_scaling={config.get('rope_scaling')!r}, rope_dim={config.get('rope_dim')}"
+                f"got rope_scaling={config.get('rope_scaling')!r}, "
+                f"rope_dim={config.get('rope_dim')}"
             )
         self.num_layers = spec.num_layers
         self.hq, self.hkv, self.d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
@@ -194,7 +202,7 @@ class Llama:
         self.w: dict[str, torch.Tensor] = {}
         for k, v in weights.items():
             if k.endswith(".bias"):
-                raise ModelConfigError(f"weight `{k}`: biases are not handled by this compact Llama")
+                raise ModelConfigError(f"weight `{k}`: this compact Llama has no biases")
             self.w[k] = v.to(device=self.device, dtype=self.dtype)
         if "lm_head.weight" not in self.w:
             if not config.get("tie_word_embeddings", False):
@@ -281,7 +289,8 @@ class Llama:
 
     def _finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}."
-        h = h + attn.reshape(h.shape[0], -1).to(self.dtype) @ self.w[p + "self_attn.o_proj.weight"].T
+        o = attn.reshape(h.shape[0], -1).to(self.dtype)
+        h = h + o @ self.w[p + "self_attn.o_proj.weight"].T
         x = _rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
         gate, up = (x @ self.w[p + "gate_up"].T).chunk(2, dim=-1)
         return h + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
@@ -389,7 +398,9 @@ class Llama:
         return out
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``q [Hq, N, D]`` over ``k, v [Hkv, P + N, D]``, query ``j`` seeing keys ``<= P + j``."""
     n, total = q.shape[1], k.shape[1]
     rep = q.shape[0] // k.shape[0]
