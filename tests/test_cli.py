@@ -63,3 +63,25 @@ def test_import_and_size_without_torch():
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--total-memory", "inf"], "GiB"),
+    (["--total-memory", "16", "--page-size", "99999999999999999999"], "page_size"),
+    (["--total-memory", "16", "--context-len", "0"], "context-len"),
+])
+def test_cli_bad_numbers_exit_2(args, text, capsys):
+    with pytest.raises(SystemExit) if args[1] == "inf" else _nullcontext():
+        rc = main(["size", "Qwen/Qwen3-8B", *args])
+        assert rc == 2
+    captured = capsys.readouterr()
+    assert text in captured.err and "Traceback" not in captured.err
+    assert "KV Cache" not in captured.out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

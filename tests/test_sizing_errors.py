@@ -78,7 +78,7 @@ def test_page_size_zero(page_size):
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "16", True])
 def test_page_size_not_an_int(bad):
-    with pytest.raises(kvpool.SizingError, match="page_size"):
+    with pytest.raises(kvpool.LayoutError, match="`page_size`"):
         kvpool.size_for(LLAMA, "bf16", page_size=bad, **OK)
 
 
@@ -161,5 +161,79 @@ def test_huge_numbers_do_not_panic():
     cfg = dict(LLAMA, num_key_value_heads=1 << 40, num_attention_heads=1 << 40)
     with pytest.raises(kvpool.ModelConfigError, match="exceeds"):
         kvpool.size_for(cfg, "fp32", **OK)
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvpool.ModelConfigError, match="head_dim"):
         kvpool.size_for(dict(LLAMA, head_dim=1 << 70), "fp32", **OK)
+    with pytest.raises(kvpool.ModelConfigError, match="num_hidden_layers"):
+        kvpool.size_for(dict(LLAMA, num_hidden_layers=10**9), "fp32", **OK)
+
+
+def test_arithmetic_overflow_is_an_error_not_a_wrong_number():
+    with pytest.raises(kvpool.LayoutError, match="page_size"):
+        kvpool.size_for(LLAMA, "bf16", page_size=2**63, **OK)
+    plan = kvpool.size_for(LLAMA, "bf16", **OK)
+    with pytest.raises(kvpool.SizingError, match="exceeds"):
+        plan.request_bytes(2**50)
+    with pytest.raises(kvpool.SizingError, match="num_tokens"):
+        kvpool.size_for(LLAMA, "bf16", num_tokens=2**64 - 1)
+    with pytest.raises(kvpool.SizingError, match="num_tokens"):
+        kvpool.size_for(LLAMA, "bf16", num_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mem_frac=True), dict(total_memory=True), dict(total_memory=8.0),
+     dict(total_memory="8"), dict(page_size=True), dict(num_tokens=True),
+     dict(layer_dtypes={1.7: "fp8"}), dict(layer_dtypes={-1: "fp8"}), dict(tp_size=2**64)],
+)
+def test_wrong_types_are_refused_naming_the_argument(kw):
+    args = {**OK, **kw}
+    name = next(iter(kw)).replace("layer_dtypes", "layer_dtypes key")
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        kvpool.size_for(LLAMA, "bf16", **args)
+
+
+def test_explicit_weights_are_split_over_tp_ranks():
+    # 140 GiB of weights over 8 ranks: 17.5 GiB per rank on an 80 GiB device
+    plan = kvpool.size_for(LLAMA, "bf16", 0.9, total_memory=80 * GIB, weights=140 * GIB, tp_size=8)
+    assert plan.budget.weights == 140 * GIB // 8
+    assert plan.budget_bytes == 80 * GIB - 140 * GIB // 8 - 8 * GIB
+
+
+def test_available_memory_and_weights_together_are_refused():
+    with pytest.raises(kvpool.SizingError, match="not both"):
+        kvpool.size_for(LLAMA, "bf16", total_memory=8 * GIB, available_memory=6 * GIB, weights=GIB)
+
+
+def test_compare_accepts_one_dtype_name():
+    plans = kvpool.compare(LLAMA, "bf16", **OK)
+    assert [p.dtype for p in plans] == ["bf16"]
+
+
+def test_empty_model_name():
+    with pytest.raises(kvpool.ModelConfigError, match="empty"):
+        kvpool.size_for("", "bf16", **OK)
+
+
+def test_plan_is_read_only():
+    plan = kvpool.size_for(LLAMA, "bf16", **OK)
+    with pytest.raises(AttributeError):
+        plan.num_tokens = 5
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [({"num_key_value_heads": 64}, "num_key_value_heads"),
+     ({"layer_types": ["nonlinear"] * 32}, "nonlinear"),
+     ({"sliding_window": 16, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+     ({"sliding_window": -5, "layer_types": ["sliding_attention"] * 32}, "sliding_window"),
+     ({"index_n_heads": 64}, "index_n_heads")],
+)
+def test_more_malformed_configs(patch, field):
+    with pytest.raises(kvpool.ModelConfigError, match=field):
+        kvpool.size_for({**LLAMA, **patch}, "bf16", **OK)
+
+
+def test_mla_config_needs_no_hidden_size():
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 16, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    assert kvpool.size_for(cfg, "bf16", **OK).bytes_per_token == 2 * 576 * 2

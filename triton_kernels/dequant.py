@@ -46,13 +46,21 @@ def _e2m1_value(code):
 
 @triton.jit
 def dequant_kernel(
-    loc_ptr, N, R,
-    data_ptr, data_row_stride,
-    bs_ptr, bs_row_stride, BS_BY_TOKEN: tl.constexpr,
+    loc_ptr,
+    N,
+    R,
+    data_ptr,
+    data_row_stride,
+    bs_ptr,
+    bs_row_stride,
+    BS_BY_TOKEN: tl.constexpr,
     scale_ptr,
     out_ptr,
-    H: tl.constexpr, D: tl.constexpr, MODE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     """Grid ``cdiv(N, BLOCK_T)``; ``out`` is ``[N, H, D]`` contiguous. Slots outside ``[0, R)``
     give zeros (the launcher checks them on the CPU path)."""
@@ -76,7 +84,9 @@ def dequant_kernel(
             v = _fp8_value(b, 2, 15)
         v = v * tl.load(scale_ptr)
     else:
-        byte = tl.load(data_ptr + slot[:, None] * data_row_stride + c[None, :] // 2, mask=m2, other=0)
+        byte = tl.load(
+            data_ptr + slot[:, None] * data_row_stride + c[None, :] // 2, mask=m2, other=0
+        )
         byte = byte.to(tl.int32)
         code = tl.where(c[None, :] % 2 == 0, byte & 0xF, byte >> 4)
         e2m1 = _e2m1_value(code)
@@ -92,5 +102,8 @@ def dequant_kernel(
         else:
             s = tl.where(sb == 0, (tl.full(sb.shape, 0x400000, tl.int32)), sb << 23)
             v = e2m1 * s.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * HD + c[None, :], v.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & c_ok[None, :])
+    tl.store(
+        out_ptr + t.to(tl.int64)[:, None] * HD + c[None, :],
+        v.to(out_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )

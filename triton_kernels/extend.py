@@ -22,16 +22,49 @@ from .decode import load_kv_tile, softmax_logits
 
 @triton.jit
 def extend_kernel(
-    Q, K, V, KBS, VBS, KSC, VSC, PT, SEQ, CUQ, WORK, SINKS, OUT,
-    stride_qt, stride_qh, stride_kr, stride_vr, stride_kbr, stride_vbr, stride_pt,
-    stride_ot, stride_oh,
-    sm_scale, softcap, window, blocks_per_req, page_shift,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-    FMT: tl.constexpr, CDT: tl.constexpr, IS_F32: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    Q,
+    K,
+    V,
+    KBS,
+    VBS,
+    KSC,
+    VSC,
+    PT,
+    SEQ,
+    CUQ,
+    WORK,
+    SINKS,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_kr,
+    stride_vr,
+    stride_kbr,
+    stride_vbr,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    sm_scale,
+    softcap,
+    window,
+    blocks_per_req,
+    page_shift,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     USE_WORK: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     hk = tl.program_id(1)
@@ -59,8 +92,11 @@ def extend_kernel(
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     tok = (q_begin + t_loc).to(tl.int64)
-    q = tl.load(Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=rmask[:, None], other=0.0).to(CDT)
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=rmask[:, None],
+        other=0.0,
+    ).to(CDT)
 
     kf = FP4_MUL
     vf = FP4_MUL
@@ -86,9 +122,9 @@ def extend_kernel(
         jm = j < hi
         page = tl.load(pt_row + (j >> page_shift), mask=jm, other=0)
         slot = (page.to(tl.int64) << page_shift) + (j & ((1 << page_shift) - 1))
-        k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT)
+        k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT, ASM)
         if IS_F32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
         else:
             qk = tl.dot(q, tl.trans(k))
         qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
@@ -102,9 +138,9 @@ def extend_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT)
+        v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT, ASM)
         if IS_F32:
-            pv = tl.dot(p, v, input_precision="ieee")
+            pv = tl.dot(p, v, input_precision="tf32x3")
         else:
             pv = tl.dot(p.to(CDT), v)
         acc = acc * alpha[:, None] + pv
@@ -117,5 +153,8 @@ def extend_kernel(
         acc = acc * tl.exp2(m_i - m_s)[:, None]
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc * (vf / l_safe)[:, None]
-    tl.store(OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-             o.to(OUT.dtype.element_ty), mask=rmask[:, None])
+    tl.store(
+        OUT + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+        o.to(OUT.dtype.element_ty),
+        mask=rmask[:, None],
+    )

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -25,7 +24,6 @@ import traceback
 
 import torch
 import torch.nn.functional as F
-
 from kvpool import attention, formats
 from kvpool.pool import LayerView
 
@@ -42,8 +40,16 @@ def log(*a):
 def save(rec):
     RESULTS.append(rec)
     with open(os.path.join(OUT, "attention.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "triton": __import__("triton").__version__, "results": RESULTS}, f, indent=1)
+        json.dump(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "triton": __import__("triton").__version__,
+                "results": RESULTS,
+            },
+            f,
+            indent=1,
+        )
 
 
 # ----------------------------------------------------------------------------- timing
@@ -95,7 +101,6 @@ def copy_bandwidth(reps):
     x = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     y = torch.empty_like(x)
     ms, _ = time_ms(lambda: y.copy_(x), reps, graph=False)
-    del x, y
     return 2 * n / (ms * 1e-3)
 
 
@@ -128,18 +133,37 @@ def make_pool(dtype, rows):
             kv.append(u.view(st))
     bs = [None, None]
     if dtype == "nvfp4":
-        bs = [torch.randint(0x30, 0x40, (rows, HK, D // 16), dtype=torch.uint8, device=dev)
-              .view(torch.float8_e4m3fn) for _ in range(2)]
+        bs = [
+            torch.randint(0x30, 0x40, (rows, HK, D // 16), dtype=torch.uint8, device=dev).view(
+                torch.float8_e4m3fn
+            )
+            for _ in range(2)
+        ]
     elif dtype == "fp4_mx_block16":
-        bs = [torch.randint(124, 129, (rows, HK * D // 16), dtype=torch.uint8, device=dev)
-              for _ in range(2)]
+        bs = [
+            torch.randint(124, 129, (rows, HK * D // 16), dtype=torch.uint8, device=dev)
+            for _ in range(2)
+        ]
     sc = None
     if dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
-        sc = [torch.tensor([0.05 if dtype != "nvfp4" else 0.3], device=dev),
-              torch.tensor([0.04 if dtype != "nvfp4" else 0.2], device=dev)]
-    return LayerView(layer=0, dtype=dtype, page_size=16, num_kv_heads=HK, head_dim=D, v_head_dim=D,
-                     k=kv[0], v=kv[1], k_block_scale=bs[0], v_block_scale=bs[1],
-                     k_scale=None if sc is None else sc[0], v_scale=None if sc is None else sc[1])
+        sc = [
+            torch.tensor([0.05 if dtype != "nvfp4" else 0.3], device=dev),
+            torch.tensor([0.04 if dtype != "nvfp4" else 0.2], device=dev),
+        ]
+    return LayerView(
+        layer=0,
+        dtype=dtype,
+        page_size=16,
+        num_kv_heads=HK,
+        head_dim=D,
+        v_head_dim=D,
+        k=kv[0],
+        v=kv[1],
+        k_block_scale=bs[0],
+        v_block_scale=bs[1],
+        k_scale=None if sc is None else sc[0],
+        v_scale=None if sc is None else sc[1],
+    )
 
 
 def with_page(view, page):
@@ -166,10 +190,26 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
     out = torch.empty(b, HQ, D, dtype=torch.bfloat16, device="cuda")
     ms, _ = time_ms(lambda: attention.decode(pv, q, plan=plan, out=out), reps)
     kvb = b * ctx * bytes_per_token(view.dtype)
-    rec = {"kind": "decode", "impl": tag, "dtype": view.dtype, "page": page, "B": b, "ctx": ctx,
-           "ms": ms, "kv_bytes": kvb, "kv_TBps": kvb / ms / 1e9, "splits": plan.num_splits,
-           "block_n": plan.block_n, "warps": plan.num_warps, "stages": plan.num_stages,
-           "use_dot": plan.use_dot, "prefetch": plan.prefetch, "ablate": plan.ablate}
+    rec = {
+        "kind": "decode",
+        "impl": tag,
+        "dtype": view.dtype,
+        "page": page,
+        "B": b,
+        "ctx": ctx,
+        "ms": ms,
+        "kv_bytes": kvb,
+        "kv_TBps": kvb / ms / 1e9,
+        "splits": plan.num_splits,
+        "block_n": plan.block_n,
+        "warps": plan.num_warps,
+        "stages": plan.num_stages,
+        "use_dot": plan.use_dot,
+        "prefetch": plan.prefetch,
+        "asm": plan.asm,
+        "ablate": plan.ablate,
+        "variant_kw": plan_kw,
+    }
     save(rec)
     return rec
 
@@ -180,15 +220,22 @@ def bench_sdpa(b, ctx, reps):
     v = torch.randn(b, HK, ctx, D, dtype=torch.bfloat16, device="cuda")
     ms, _ = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps)
     kvb = b * ctx * bytes_per_token("bf16")
-    rec = {"kind": "decode", "impl": "sdpa_bf16_contiguous", "dtype": "bf16", "B": b, "ctx": ctx,
-           "ms": ms, "kv_bytes": kvb, "kv_TBps": kvb / ms / 1e9}
+    rec = {
+        "kind": "decode",
+        "impl": "sdpa_bf16_contiguous",
+        "dtype": "bf16",
+        "B": b,
+        "ctx": ctx,
+        "ms": ms,
+        "kv_bytes": kvb,
+        "kv_TBps": kvb / ms / 1e9,
+    }
     save(rec)
-    del q, k, v
     return rec
 
 
 def bench_unfused(view, b, ctx, page, reps):
-    """Gather the request's pages, dequantize (kvpool.formats), SDPA: what a non-fused stack does."""
+    """Gather the request's pages, dequantize (kvpool.formats), SDPA: what a non-fused stack does."""  # noqa: E501
     gen = torch.Generator().manual_seed(b * 7 + ctx)
     pt = page_table(b, ctx, page, view.k.shape[0], gen)
     pos = torch.arange(ctx, device="cuda")
@@ -208,8 +255,17 @@ def bench_unfused(view, b, ctx, page, reps):
 
     ms, _ = time_ms(run, max(5, reps // 4), graph=False)
     kvb = b * ctx * bytes_per_token(view.dtype)
-    rec = {"kind": "decode", "impl": "unfused", "dtype": view.dtype, "page": page, "B": b,
-           "ctx": ctx, "ms": ms, "kv_bytes": kvb, "kv_TBps": kvb / ms / 1e9}
+    rec = {
+        "kind": "decode",
+        "impl": "unfused",
+        "dtype": view.dtype,
+        "page": page,
+        "B": b,
+        "ctx": ctx,
+        "ms": ms,
+        "kv_bytes": kvb,
+        "kv_TBps": kvb / ms / 1e9,
+    }
     save(rec)
     return rec
 
@@ -231,10 +287,23 @@ def bench_extend(view, b, prefix, new, page, reps, **plan_kw):
     out = torch.empty(b * new, HQ, D, dtype=torch.bfloat16, device="cuda")
     ms, _ = time_ms(lambda: attention.extend(pv, q, plan=plan, out=out), reps)
     fl = extend_flops(b, prefix, new)
-    rec = {"kind": "extend", "impl": "fused", "dtype": view.dtype, "page": page, "B": b,
-           "prefix": prefix, "new": new, "ms": ms, "flops": fl, "TFLOPs": fl / ms / 1e9,
-           "block_t": plan.block_t, "block_n": plan.block_n, "warps": plan.num_warps,
-           "stages": plan.num_stages}
+    rec = {
+        "kind": "extend",
+        "impl": "fused",
+        "dtype": view.dtype,
+        "page": page,
+        "B": b,
+        "prefix": prefix,
+        "new": new,
+        "ms": ms,
+        "flops": fl,
+        "TFLOPs": fl / ms / 1e9,
+        "block_t": plan.block_t,
+        "block_n": plan.block_n,
+        "warps": plan.num_warps,
+        "stages": plan.num_stages,
+        "asm": plan.asm,
+    }
     save(rec)
     return rec
 
@@ -258,8 +327,17 @@ def bench_extend_sdpa(b, prefix, new, reps):
         impl = "sdpa_bf16_contiguous_expanded"
     ms, _ = time_ms(fn, reps)
     fl = extend_flops(b, prefix, new)
-    rec = {"kind": "extend", "impl": impl, "dtype": "bf16", "B": b, "prefix": prefix, "new": new,
-           "ms": ms, "flops": fl, "TFLOPs": fl / ms / 1e9}
+    rec = {
+        "kind": "extend",
+        "impl": impl,
+        "dtype": "bf16",
+        "B": b,
+        "prefix": prefix,
+        "new": new,
+        "ms": ms,
+        "flops": fl,
+        "TFLOPs": fl / ms / 1e9,
+    }
     save(rec)
     return rec
 
@@ -271,10 +349,18 @@ def guarded(fn, *a, **k):
     try:
         return fn(*a, **k)
     except Exception as e:  # keep going: one failing point must not lose the others
-        log(f"  FAILED {fn.__name__} {a[1:] if a else ''} {k}: {type(e).__name__}: {str(e)[:300]}")
+        args = a[1:] if a and isinstance(a[0], LayerView) else a
+        log(f"  FAILED {fn.__name__} {args} {k}: {type(e).__name__}: {str(e)[:300]}")
         traceback.print_exc(limit=2)
-        save({"kind": "error", "fn": fn.__name__, "args": repr(a[1:])[:200], "kw": repr(k),
-              "error": f"{type(e).__name__}: {str(e)[:500]}"})
+        save(
+            {
+                "kind": "error",
+                "fn": fn.__name__,
+                "args": repr(args)[:200],
+                "kw": repr(k),
+                "error": f"{type(e).__name__}: {str(e)[:500]}",
+            }
+        )
         return None
 
 
@@ -302,12 +388,14 @@ def warm_configs(args, dtypes, dflt):
                 if not only or dtype in only:
                     out.append(("decode", dtype, bc[0], bc[1], 16, kw))
         if "extend" in sections:
-            out.append(("extend", dtype, 16, 4096, 16, {}))
+            for cfg in json.loads(args.extend_configs):
+                out.append(("extend", dtype, 16, 4096, 16, cfg))
         if "grid" in sections:
-            for page in (16, 64):
-                for b in (1, 16, 64, 128):
-                    for ctx in (1024, 8192, 32768):
-                        out.append(("decode", dtype, b, ctx, page, dflt))
+            for cfg in json.loads(args.grid_configs):
+                for page in (16, 64):
+                    for b in (1, 16, 64, 128):
+                        for ctx in (1024, 8192, 32768):
+                            out.append(("decode", dtype, b, ctx, page, {**dflt, **cfg}))
     return out
 
 
@@ -327,8 +415,13 @@ def warm(args, dtypes, dflt, shard, nshards):
                 kw = dict(kw)
                 if "num_splits" not in kw:
                     kw["num_splits"] = attention.default_splits(b, HK, ctx, torch.device("cuda"))
-                key = (dtype, kw["num_splits"] == 1, kw["num_splits"] % 16 == 0, page == 1,
-                       json.dumps(kw, sort_keys=True))
+                key = (
+                    dtype,
+                    kw["num_splits"] == 1,
+                    kw["num_splits"] % 16 == 0,
+                    page == 1,
+                    json.dumps(kw, sort_keys=True),
+                )
                 if key in seen:
                     continue
                 seen.add(key)
@@ -359,6 +452,10 @@ def main():
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--variants", default="")
     ap.add_argument("--default", default="", help="JSON plan overrides for every fused decode")
+    ap.add_argument("--extend-configs", default="[{}]", help="JSON list of extend plan overrides")
+    ap.add_argument(
+        "--grid-configs", default="[{}]", help="JSON list of plan overrides; the grid runs each"
+    )
     ap.add_argument("--warm", default="", help="i/N: only compile shard i of N (no timing)")
     args = ap.parse_args()
     if args.warm:
@@ -383,7 +480,7 @@ def main():
     if "key" in sections or "variants" in sections:
         sd = {}
         for b, ctx in ((64, 8192), (1, 32768)):
-            sd[(b, ctx)] = guarded(bench_sdpa, None, b, ctx, reps)
+            sd[(b, ctx)] = guarded(bench_sdpa, b, ctx, reps)
             log(f"sdpa B={b} ctx={ctx}: {fmt(sd[(b, ctx)])}")
         for dtype in dtypes:
             view = make_pool(dtype, rows_key)
@@ -392,7 +489,9 @@ def main():
                     for page in (16, 64):
                         r = guarded(bench_decode, view, b, ctx, page, reps, **dflt)
                         ratio = sd[(b, ctx)]["ms"] / r["ms"] if r and sd[(b, ctx)] else float("nan")
-                        log(f"{dtype:15s} B={b:3d} ctx={ctx:6d} p={page:2d}: {fmt(r)}  x{ratio:.2f} vs sdpa")
+                        log(
+                            f"{dtype:15s} B={b:3d} ctx={ctx:6d} p={page:2d}: {fmt(r)}  x{ratio:.2f} vs sdpa"  # noqa: E501
+                        )
                     u = guarded(bench_unfused, view, b, ctx, 16, reps)
                     log(f"{dtype:15s} B={b:3d} ctx={ctx:6d} unfused: {fmt(u)}")
             if "variants" in sections and args.variants:
@@ -410,13 +509,14 @@ def main():
 
     if "extend" in sections:
         b, prefix, new = 16, 4096, 512
-        s = guarded(bench_extend_sdpa, None, b, prefix, new, reps)
+        s = guarded(bench_extend_sdpa, b, prefix, new, reps)
         log(f"extend sdpa: {fmt(s)}")
         for dtype in dtypes:
             view = make_pool(dtype, b * (prefix + new) + 64 * 4)
-            r = guarded(bench_extend, view, b, prefix, new, 16, reps)
-            ratio = s["ms"] / r["ms"] if r and s else float("nan")
-            log(f"extend {dtype:15s}: {fmt(r)}  x{ratio:.2f} vs sdpa")
+            for cfg in json.loads(args.extend_configs):
+                r = guarded(bench_extend, view, b, prefix, new, 16, reps, **cfg)
+                ratio = s["ms"] / r["ms"] if r and s else float("nan")
+                log(f"extend {dtype:15s} {cfg}: {fmt(r)}  x{ratio:.2f} vs sdpa")
             del view
             torch.cuda.empty_cache()
         log(f"[{time.time() - t0:.0f}s]")
@@ -425,14 +525,36 @@ def main():
         bs, ctxs = (1, 16, 64, 128), (1024, 8192, 32768)
         for b in bs:
             for ctx in ctxs:
-                guarded(bench_sdpa, None, b, ctx, reps)
+                guarded(bench_sdpa, b, ctx, reps)
         for dtype in dtypes:
             view = make_pool(dtype, 128 * 32768 + 64)
-            for page in (16, 64):
-                for b in bs:
-                    for ctx in ctxs:
-                        r = guarded(bench_decode, view, b, ctx, page, reps, **dflt)
-                log(f"grid {dtype} p={page} done [{time.time() - t0:.0f}s]")
+            for ci, cfg in enumerate(json.loads(args.grid_configs)):
+                for page in (16, 64):
+                    for b in bs:
+                        for ctx in ctxs:
+                            guarded(
+                                bench_decode,
+                                view,
+                                b,
+                                ctx,
+                                page,
+                                reps,
+                                tag=f"grid{ci}",
+                                **{**dflt, **cfg},
+                            )
+                g = [
+                    r
+                    for r in RESULTS
+                    if r.get("impl") == f"grid{ci}"
+                    and r["dtype"] == dtype
+                    and r["B"] == 64
+                    and r["ctx"] == 8192
+                ]
+                log(
+                    f"grid {dtype} cfg {cfg}: B=64/8k "
+                    + ", ".join(f"p{r['page']} {r['ms']:.4f} ms" for r in g)
+                    + f" [{time.time() - t0:.0f}s]"
+                )
             del view
             torch.cuda.empty_cache()
     log(f"done in {time.time() - t0:.0f}s")

@@ -83,14 +83,18 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def _check(name: str, t, *, shape=None, dtype=None, device=None, ndim=None) -> torch.Tensor:
-    """Raise ValueError naming ``name`` unless ``t`` is a tensor of that shape/dtype/device
-    (``None`` entries of ``shape`` match anything)."""
+    """Raise ValueError naming ``name`` unless ``t`` has this shape/dtype/device.
+
+    ``None`` entries of ``shape`` match anything.
+    """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"`{name}` must have {ndim} dims, got shape {tuple(t.shape)}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, t.shape)):
+        if t.dim() != len(shape) or any(
+            s is not None and s != a for s, a in zip(shape, t.shape, strict=True)
+        ):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"`{name}` must have shape {want}, got {list(t.shape)}")
     if dtype is not None:
@@ -104,9 +108,13 @@ def _check(name: str, t, *, shape=None, dtype=None, device=None, ndim=None) -> t
 
 def _check_view(view: LayerView) -> None:
     if view.v is None:
-        raise ValueError(f"`view` (layer {view.layer}) is an MLA layer: fused MLA attention is not supported")
+        raise ValueError(
+            f"`view` (layer {view.layer}) is an MLA layer: fused MLA attention is not supported"
+        )
     if view.dtype not in _KERNEL_FORMAT:
-        raise ValueError(f"`view.dtype` = {view.dtype!r} is not a KV dtype ({', '.join(_KERNEL_FORMAT)})")
+        raise ValueError(
+            f"`view.dtype` = {view.dtype!r} is not a KV dtype ({', '.join(_KERNEL_FORMAT)})"
+        )
     fp4 = view.dtype in ("nvfp4", "fp4_mx_block16")
     h, d, dv = view.num_kv_heads, view.head_dim, view.v_head_dim
     want = _STORAGE[view.dtype]
@@ -118,11 +126,19 @@ def _check_view(view: LayerView) -> None:
     if fp4:
         if view.k_block_scale is None or view.v_block_scale is None:
             raise ValueError(f"`view` is {view.dtype} but has no block scales")
-        for name, t, dd in (("view.k_block_scale", view.k_block_scale, d),
-                            ("view.v_block_scale", view.v_block_scale, dv)):
-            if t.shape[0] != view.k.shape[0] or t[0].numel() != h * dd // 16 or not t.is_contiguous():
-                raise ValueError(f"`{name}` must hold {h * dd // 16} contiguous scales per row, "
-                                 f"got shape {list(t.shape)}")
+        for name, t, dd in (
+            ("view.k_block_scale", view.k_block_scale, d),
+            ("view.v_block_scale", view.v_block_scale, dv),
+        ):
+            if (
+                t.shape[0] != view.k.shape[0]
+                or t[0].numel() != h * dd // 16
+                or not t.is_contiguous()
+            ):
+                raise ValueError(
+                    f"`{name}` must hold {h * dd // 16} contiguous scales per row, "
+                    f"got shape {list(t.shape)}"
+                )
     if _KERNEL_FORMAT[view.dtype][2] and (view.k_scale is None or view.v_scale is None):
         raise ValueError(f"`view` is {view.dtype} but has no k_scale/v_scale")
     for name, n in (("head_dim", d), ("v_head_dim", dv)):
@@ -182,6 +198,39 @@ def _pow2(n: int) -> int:
 # ----------------------------------------------------------------------------- plans
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _asm_ok(dtype: str) -> bool:
+    """Whether the word-level FP4 decode applies (FP4 caches).
+
+    It is opt-in (``asm=True`` in the plans): faster on the H200; the one GPU test run that
+    exercised it failed on an element-order bug (nested ``tl.join``), since fixed and checked
+    through the interpreted emulation, but not yet re-run on the GPU
+    (benches/attention/README.md).
+    """
+    return dtype in ("nvfp4", "fp4_mx_block16")
+
+
+def _asm_mode(asm: bool) -> int:
+    """Kernel ``ASM`` constant: 0 off, 1 inline PTX, 2 its plain-Triton emulation.
+
+    The CPU interpreter cannot run PTX, so it runs the emulation.
+    """
+    return (2 if _interpreting() else 1) if asm else 0
+
+
+def default_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """KV splits per request for :func:`decode`.
+
+    Enough programs for about 4 per multiprocessor, at least 256 tokens per split, at most 128.
+    """
+    programs = batch * kv_heads
+    want = -(-4 * _num_sms(torch.device(device)) // max(programs, 1))
+    return max(1, min(want, -(-max_seq_len // 256), 128))
+
+
 @dataclass
 class DecodePlan:
     """Launch metadata of :func:`decode` for one batch, reused by every layer.
@@ -200,6 +249,9 @@ class DecodePlan:
         Tensor-core dots (query group padded to 16 rows) or CUDA-core FMA (group unpadded).
     prefetch : bool
         Issue the next tile's loads before the current tile's math (register double buffer).
+    asm : bool
+        FP4 only, opt-in: decode nibbles with inline PTX on 32-bit words (GPU); else plain
+        Triton ops (also what the CPU interpreter runs).
     ablate : int
         Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
         are wrong when nonzero.
@@ -216,6 +268,7 @@ class DecodePlan:
     num_stages: int
     use_dot: bool
     prefetch: bool
+    asm: bool
     ablate: int
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
@@ -234,6 +287,7 @@ def plan_decode(
     num_stages: int | None = None,
     use_dot: bool | None = None,
     prefetch: bool | None = None,
+    asm: bool | None = None,
     ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
@@ -249,7 +303,7 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
@@ -264,19 +318,25 @@ def plan_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     if use_dot is None:
         use_dot = True
+    # Measured on the H200 (benches/attention): fp8 is fastest with 128-token tiles and 3
+    # stages. FP4's word-level decode (asm=True, with block_n=128) is faster still but opt-in
+    # until its fixed version has passed the GPU tests (benches/attention/README.md).
+    fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if block_n is None:
-        block_n = 64 if use_dot else 32
+        block_n = (128 if fp8 else 64) if use_dot else 32
+    if num_stages is None:
+        num_stages = 3 if fp8 else 2
     if num_splits is None:
-        programs = b * view.num_kv_heads
-        want = -(-4 * _num_sms(dev) // max(programs, 1))
-        num_splits = max(1, min(want, -(-ctx // 256), 128))
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev)
     if num_splits < 1:
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
     part_out = part_lse = None
     if num_splits > 1:
-        part_out = torch.empty(b, num_q_heads, num_splits, view.v_head_dim, dtype=torch.float32, device=dev)
+        part_out = torch.empty(
+            b, num_q_heads, num_splits, view.v_head_dim, dtype=torch.float32, device=dev
+        )
         part_lse = torch.empty(b, num_q_heads, num_splits, dtype=torch.float32, device=dev)
     return DecodePlan(
         page_table=page_table,
@@ -285,9 +345,10 @@ def plan_decode(
         num_splits=num_splits,
         block_n=block_n,
         num_warps=4 if num_warps is None else num_warps,
-        num_stages=2 if num_stages is None else num_stages,
+        num_stages=num_stages,
         use_dot=use_dot,
         prefetch=bool(prefetch),
+        asm=bool(asm) and _asm_ok(view.dtype),
         ablate=int(ablate),
         part_out=part_out,
         part_lse=part_lse,
@@ -307,6 +368,8 @@ class ExtendPlan:
         None launches one program per possible block and lets empty ones exit.
     block_t, block_n, num_warps, num_stages : int
         New tokens per program (times the padded group = rows), KV tile, launch options.
+    asm : bool
+        FP4 only, opt-in: inline-PTX nibble decode (see :class:`DecodePlan`).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -317,14 +380,23 @@ class ExtendPlan:
     block_n: int
     num_warps: int
     num_stages: int
+    asm: bool = False
 
 
-def _extend_tiles(group: int, block_t, block_n, num_warps, num_stages):
+def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stages):
+    """Extend tile defaults, measured on the H200 (benches/attention).
+
+    64 rows of (token, head) per program; 16-bit caches pipeline 3 stages, fp8 takes KV tiles
+    of 128.
+    """
     gp = _pow2(group)
     if block_t is None:
         block_t = max(1, 64 // gp) if gp <= 64 else 1
-    return block_t, (64 if block_n is None else block_n), (4 if num_warps is None else num_warps), (
-        2 if num_stages is None else num_stages)
+    if block_n is None:
+        block_n = 128 if dtype in ("fp8_e4m3", "fp8_e5m2") else 64
+    if num_stages is None:
+        num_stages = 3 if dtype in ("bf16", "fp16") else 2
+    return block_t, block_n, (4 if num_warps is None else num_warps), num_stages
 
 
 def plan_extend(
@@ -338,6 +410,7 @@ def plan_extend(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    asm: bool = False,
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
@@ -346,14 +419,26 @@ def plan_extend(
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
-    block_t, block_n, num_warps, num_stages = _extend_tiles(g, block_t, block_n, num_warps, num_stages)
+    block_t, block_n, num_warps, num_stages = _extend_tiles(
+        view.dtype, g, block_t, block_n, num_warps, num_stages
+    )
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
     cu = cu_seqlens_q.cpu().tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
     work_t = torch.tensor(work or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(dev)
     if not work:
         work_t = work_t[:0]
-    return ExtendPlan(cu_seqlens_q, page_table, seq_lens, work_t, block_t, block_n, num_warps, num_stages)
+    return ExtendPlan(
+        cu_seqlens_q,
+        page_table,
+        seq_lens,
+        work_t,
+        block_t,
+        block_n,
+        num_warps,
+        num_stages,
+        bool(asm) and _asm_ok(view.dtype),
+    )
 
 
 # ----------------------------------------------------------------------------- decode
@@ -438,8 +523,18 @@ def decode(
     else:
         _check("out", out, shape=[bsz, hq, view.v_head_dim], dtype=q.dtype, device=dev)
     if not _use_triton(backend, q):
-        out.copy_(reference_decode(view, q, page_table, seq_lens, sm_scale=scale, window=window,
-                                   sinks=sinks, softcap=softcap))
+        out.copy_(
+            reference_decode(
+                view,
+                q,
+                page_table,
+                seq_lens,
+                sm_scale=scale,
+                window=window,
+                sinks=sinks,
+                softcap=softcap,
+            )
+        )
         return out
     if bsz == 0:
         return out
@@ -457,25 +552,71 @@ def decode(
     gp = max(16, _pow2(g)) if plan.use_dot else _pow2(g)
     dummy = out
     decode_kernel[(bsz, view.num_kv_heads, s)](
-        q, view.k, view.v, kbs, vbs, ksc, vsc, page_table, seq_lens,
-        sinks if sinks is not None else dummy, out,
-        plan.part_out if s > 1 else dummy, plan.part_lse if s > 1 else dummy,
-        q.stride(0), q.stride(1), view.k.stride(0), view.v.stride(0),
-        _row_stride(kbs, view), _row_stride(vbs, view), page_table.stride(0),
-        out.stride(0), out.stride(1),
-        scale, float(softcap or 1.0), int(window or 0), view.page_size.bit_length() - 1, s,
-        G=g, GP=gp, D=d, DV=view.v_head_dim, BLOCK_N=plan.block_n, FINAL=s == 1, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
-        USE_DOT=plan.use_dot, HAS_SCALE=has_scale, FP4_MUL=fp4_mul,
-        HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None, PREFETCH=plan.prefetch, ABLATE=plan.ablate,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        q,
+        view.k,
+        view.v,
+        kbs,
+        vbs,
+        ksc,
+        vsc,
+        page_table,
+        seq_lens,
+        sinks if sinks is not None else dummy,
+        out,
+        plan.part_out if s > 1 else dummy,
+        plan.part_lse if s > 1 else dummy,
+        q.stride(0),
+        q.stride(1),
+        view.k.stride(0),
+        view.v.stride(0),
+        _row_stride(kbs, view),
+        _row_stride(vbs, view),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        float(softcap or 1.0),
+        int(window or 0),
+        view.page_size.bit_length() - 1,
+        s,
+        G=g,
+        GP=gp,
+        D=d,
+        DV=view.v_head_dim,
+        BLOCK_N=plan.block_n,
+        FINAL=s == 1,
+        FMT=fmt,
+        CDT=_tl_dtype(cdt),
+        IS_F32=cdt == torch.float32,
+        USE_DOT=plan.use_dot,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        PREFETCH=plan.prefetch,
+        ABLATE=plan.ablate,
+        ASM=_asm_mode(plan.asm),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     if s > 1:
         merge_kernel[(bsz, hq)](
-            plan.part_out, plan.part_lse, sinks if sinks is not None else dummy, vsc, out,
-            out.stride(0), out.stride(1), hq, s,
-            DV=view.v_head_dim, SP=max(16, _pow2(s)), HAS_SCALE=has_scale,
-            FP4_MUL=fp4_mul, HAS_SINKS=sinks is not None, num_warps=4,
+            plan.part_out,
+            plan.part_lse,
+            sinks if sinks is not None else dummy,
+            vsc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            hq,
+            s,
+            DV=view.v_head_dim,
+            SP=max(16, _pow2(s)),
+            HAS_SCALE=has_scale,
+            FP4_MUL=fp4_mul,
+            HAS_SINKS=sinks is not None,
+            num_warps=4,
         )
     return out
 
@@ -497,7 +638,7 @@ def _compute_dtype(dtype: str) -> torch.dtype:
     cdt = _KERNEL_FORMAT[dtype][1]
     # The Triton CPU interpreter computes bf16 dots on the raw bits (seen with triton 3.9:
     # errors of 1e10); interpreted runs check indexing and scales, so they use fp32 dots there.
-    if cdt == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+    if cdt == torch.bfloat16 and _interpreting():
         return torch.float32
     return cdt
 
@@ -573,7 +714,9 @@ def extend(
         page_table = plan.page_table if page_table is None else page_table
         seq_lens = plan.seq_lens if seq_lens is None else seq_lens
     if cu_seqlens_q is None or page_table is None or seq_lens is None:
-        raise ValueError("`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`")
+        raise ValueError(
+            "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"
+        )
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     bsz = page_table.shape[0]
     _check("cu_seqlens_q", cu_seqlens_q, shape=[bsz + 1], dtype=torch.int32, device=dev)
@@ -585,8 +728,19 @@ def extend(
     else:
         _check("out", out, shape=[t, hq, view.v_head_dim], dtype=q.dtype, device=dev)
     if not _use_triton(backend, q):
-        out.copy_(reference_extend(view, q, cu_seqlens_q, page_table, seq_lens, sm_scale=scale,
-                                   window=window, sinks=sinks, softcap=softcap))
+        out.copy_(
+            reference_extend(
+                view,
+                q,
+                cu_seqlens_q,
+                page_table,
+                seq_lens,
+                sm_scale=scale,
+                window=window,
+                sinks=sinks,
+                softcap=softcap,
+            )
+        )
         return out
     if t == 0 or bsz == 0:
         return out
@@ -599,7 +753,7 @@ def extend(
         grid0 = work.shape[0]
         blocks_per_req = 1
     else:
-        block_t, block_n, nw, ns = _extend_tiles(g, None, None, None, None)
+        block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
         work = None
         blocks_per_req = -(-t // block_t)
         grid0 = bsz * blocks_per_req
@@ -610,18 +764,51 @@ def extend(
     kbs, vbs, ksc, vsc = _scale_args(view)
     dummy = out
     extend_kernel[(grid0, view.num_kv_heads)](
-        q, view.k, view.v, kbs, vbs, ksc, vsc, page_table, seq_lens, cu_seqlens_q,
-        work if work is not None else cu_seqlens_q, sinks if sinks is not None else dummy, out,
-        q.stride(0), q.stride(1), view.k.stride(0), view.v.stride(0),
-        _row_stride(kbs, view), _row_stride(vbs, view), page_table.stride(0),
-        out.stride(0), out.stride(1),
-        scale, float(softcap or 1.0), int(window or 0), blocks_per_req,
+        q,
+        view.k,
+        view.v,
+        kbs,
+        vbs,
+        ksc,
+        vsc,
+        page_table,
+        seq_lens,
+        cu_seqlens_q,
+        work if work is not None else cu_seqlens_q,
+        sinks if sinks is not None else dummy,
+        out,
+        q.stride(0),
+        q.stride(1),
+        view.k.stride(0),
+        view.v.stride(0),
+        _row_stride(kbs, view),
+        _row_stride(vbs, view),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        float(softcap or 1.0),
+        int(window or 0),
+        blocks_per_req,
         view.page_size.bit_length() - 1,
-        G=g, GP=_pow2(g), D=d, DV=view.v_head_dim, BLOCK_T=block_t,
-        BLOCK_N=block_n, FMT=fmt, CDT=_tl_dtype(cdt), IS_F32=cdt == torch.float32,
-        HAS_SCALE=has_scale, FP4_MUL=fp4_mul, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, USE_WORK=work is not None,
-        num_warps=nw, num_stages=ns,
+        G=g,
+        GP=_pow2(g),
+        D=d,
+        DV=view.v_head_dim,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        FMT=fmt,
+        CDT=_tl_dtype(cdt),
+        IS_F32=cdt == torch.float32,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        USE_WORK=work is not None,
+        ASM=_asm_mode(plan is not None and plan.asm),
+        num_warps=nw,
+        num_stages=ns,
     )
     return out
 
@@ -633,7 +820,10 @@ def _gather_dequant(view: LayerView, slots: torch.Tensor) -> tuple[torch.Tensor,
     """K and V of the given slots, dequantized to fp32 ``[L, H, D]`` / ``[L, H, Dv]``."""
     h = view.num_kv_heads
     out = []
-    for data, bs, sc in ((view.k, view.k_block_scale, view.k_scale), (view.v, view.v_block_scale, view.v_scale)):
+    for data, bs, sc in (
+        (view.k, view.k_block_scale, view.k_scale),
+        (view.v, view.v_block_scale, view.v_scale),
+    ):
         x = data[slots]
         b = None
         if bs is not None:
@@ -671,10 +861,14 @@ def _slots(view: LayerView, page_table: torch.Tensor, b: int, n: int) -> torch.T
     return pages * view.page_size + pos % view.page_size
 
 
-def reference_decode(view, q, page_table, seq_lens, *, sm_scale=None, window=None, sinks=None,
-                     softcap=None) -> torch.Tensor:
-    """Torch reference of :func:`decode`: dequantize each request's slots (:mod:`kvpool.formats`),
-    then attention in fp32. Returns ``[B, H_q, Dv]`` fp32. Reads only slots below ``seq_len``."""
+def reference_decode(
+    view, q, page_table, seq_lens, *, sm_scale=None, window=None, sinks=None, softcap=None
+) -> torch.Tensor:
+    """Torch reference of :func:`decode`: dequantize, then attention in fp32.
+
+    Each request's slots are dequantized with :mod:`kvpool.formats`; only slots below
+    ``seq_len`` are read. Returns ``[B, H_q, Dv]`` fp32.
+    """
     scale = _sm_scale(sm_scale, q.shape[-1])
     lens = seq_lens.cpu().tolist()
     res = torch.empty(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
@@ -683,15 +877,28 @@ def reference_decode(view, q, page_table, seq_lens, *, sm_scale=None, window=Non
             raise ValueError(f"`seq_lens[{b}]` = {n}: decode needs at least one token")
         k, v = _gather_dequant(view, _slots(view, page_table, b, n))
         pos = torch.tensor([n - 1], device=q.device)
-        res[b] = _attend(q[b : b + 1], k, v, pos, sm_scale=scale, window=window, sinks=sinks,
-                         softcap=softcap)[0]
+        res[b] = _attend(
+            q[b : b + 1], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
+        )[0]
     return res
 
 
-def reference_extend(view, q, cu_seqlens_q, page_table, seq_lens, *, sm_scale=None, window=None,
-                     sinks=None, softcap=None) -> torch.Tensor:
-    """Torch reference of :func:`extend` (dequantize, then causal attention in fp32).
-    Returns ``[T, H_q, Dv]`` fp32."""
+def reference_extend(
+    view,
+    q,
+    cu_seqlens_q,
+    page_table,
+    seq_lens,
+    *,
+    sm_scale=None,
+    window=None,
+    sinks=None,
+    softcap=None,
+) -> torch.Tensor:
+    """Torch reference of :func:`extend`: dequantize, then causal attention in fp32.
+
+    Returns ``[T, H_q, Dv]`` fp32.
+    """
     scale = _sm_scale(sm_scale, q.shape[-1])
     cu = cu_seqlens_q.cpu().tolist()
     lens = seq_lens.cpu().tolist()
@@ -704,6 +911,7 @@ def reference_extend(view, q, cu_seqlens_q, page_table, seq_lens, *, sm_scale=No
             raise ValueError(f"`seq_lens[{b}]` = {n} is shorter than its {e - a} new tokens")
         k, v = _gather_dequant(view, _slots(view, page_table, b, n))
         pos = torch.arange(n - (e - a), n, device=q.device)
-        res[a:e] = _attend(q[a:e], k, v, pos, sm_scale=scale, window=window, sinks=sinks,
-                           softcap=softcap)
+        res[a:e] = _attend(
+            q[a:e], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
+        )
     return res

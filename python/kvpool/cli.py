@@ -26,8 +26,8 @@ def _gib(text: str) -> int:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of GiB, got `{text}`") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of GiB, got `{text}`")
+    if not 0 <= v < 1 << 34:
+        raise argparse.ArgumentTypeError(f"expected a finite, non-negative number of GiB, got `{text}`")
     return round(v * GIB)
 
 
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", help=f"GPU by name: {', '.join(GPUS)}")
     s.add_argument("--total-memory", type=_gib, help="GiB free before loading weights")
     s.add_argument("--available-memory", type=_gib, help="GiB free after loading weights")
-    s.add_argument("--weights", type=_weights, default="auto",
+    s.add_argument("--weights", type=_weights, default=None,
                    help="weight GiB of the whole model, or auto (checkpoint index / estimate)")
     s.add_argument("--page-size", type=int, default=1)
     s.add_argument("--tp-size", type=int, default=1)
@@ -75,7 +75,9 @@ def _size(args: argparse.Namespace, console: Console) -> int:
         nvfp4_recipe=args.nvfp4_recipe,
         model_dtype=args.model_dtype,
     )
-    context = args.context_len or 8192
+    context = 8192 if args.context_len is None else args.context_len
+    if context <= 0:
+        raise ValueError(f"--context-len must be positive, got {context}")
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     plans = kvpool.compare(spec, dtypes, **kw)
     if args.json:
@@ -126,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(m)
             return 0
         return _size(args, console)
-    except (ValueError, MemoryError) as e:
+    except (ValueError, MemoryError, OverflowError, TypeError) as e:
         Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
         return 2
 

@@ -27,8 +27,8 @@ fp8_e5m2           NaN (byte 0x7F)                       +-57344 (saturated, lik
 nvfp4              0 (E2M1 has no NaN)                   +-FLT_MAX before scaling: the block
                                                          scale saturates (448), the element
                                                          stores +-6
-fp4_mx_block16     0                                     +-FLT_MAX before scaling: the block
-                                                         exponent becomes 253, the element +-6
+fp4_mx_block16     0                                     +-MX_MAX (= 6 * 2^125) before scaling:
+                                                         exponent byte 252, element +-6
 =================  ====================================  =====================================
 
 Formats
@@ -39,8 +39,11 @@ Formats
   with ``g`` the global scale; elements ``rne_e2m1(clamp(x / (s * g), -6, 6))`` with ``s`` the
   *decoded* e4m3 scale; a block whose ``s`` rounds to 0 stores all-zero nibbles. Dequantized
   ``(e2m1 * s) * g``.
-- ``fp4_mx_block16``: ``e = ceil(log2(amax / 6))`` (exact, from the float's bits), stored as
-  ``clamp(e + 127, 0, 254)``; an all-zero block stores 127; elements
+- ``fp4_mx_block16``: inputs are first clamped to +-MX_MAX = 6 * 2^125 (about 2.55e38, the
+  largest magnitude whose block still decodes to a finite fp32; so bytes 253 and 254 never occur);
+  ``e = ceil(log2(amax / 6))`` (exact, from the float's bits; an amax / 6 that underflows to 0
+  counts as the smallest exponent), stored as ``clamp(e + 127, 0, 254)``; an all-zero block
+  stores 127; elements
   ``rne_e2m1(clamp(x / 2^(stored - 127), -6, 6))``. Dequantized ``e2m1 * 2^(stored - 127)``.
 - FP4 packing: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble; sign in bit 3.
 """
@@ -60,6 +63,9 @@ E2M1_MAX = 6.0
 BLOCK = 16
 #: The byte every fp8 NaN is stored as.
 FP8_NAN_BYTE = 0x7F
+#: fp4_mx_block16 inputs are clamped to this magnitude (6 * 2^125): larger blocks would decode
+#: to inf in fp32.
+MX_MAX = 6.0 * 2.0**125
 #: E2M1 magnitudes by code (bits 0-2); bit 3 is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -71,7 +77,7 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 
 def storage_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a cache's data buffer (``uint8`` for the packed FP4 formats)."""
+    """Return the torch dtype of a cache's data buffer (``uint8`` for the packed FP4 formats)."""
     _check_dtype(dtype)
     if dtype in _FLOAT:
         return _FLOAT[dtype]
@@ -82,14 +88,20 @@ def storage_dtype(dtype: str) -> torch.dtype:
 
 def _check_dtype(dtype: str) -> None:
     if dtype not in DTYPES:
-        raise ValueError(f"`dtype` = {dtype!r} is not a KV dtype; expected one of {', '.join(DTYPES)}")
+        raise ValueError(
+            f"`dtype` = {dtype!r} is not a KV dtype; expected one of {', '.join(DTYPES)}"
+        )
 
 
-def _scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str = "scale") -> torch.Tensor:
+def _scale_tensor(
+    scale: float | torch.Tensor, device: torch.device, name: str = "scale"
+) -> torch.Tensor:
     """``scale`` as a 0-d float32 tensor on ``device`` (no host sync for tensors)."""
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"`{name}` must be a float or a 0-d/[1] tensor, got shape {tuple(scale.shape)}")
+            raise ValueError(
+                f"`{name}` must be a float or a 0-d/[1] tensor, got shape {tuple(scale.shape)}"
+            )
         return scale.reshape(()).to(device=device, dtype=torch.float32)
     s = float(scale)
     if not (s > 0 and s != float("inf")):
@@ -98,9 +110,11 @@ def _scale_tensor(scale: float | torch.Tensor, device: torch.device, name: str =
 
 
 def _round_to_grid(a: torch.Tensor, grid: str) -> torch.Tensor:
-    """Round non-negative finite fp32 ``a`` (already <= the grid's max) to the nearest grid
-    value, ties to even. The quantum is ``2^(max(floor(log2 a), emin) - mbits)``; ``a / quantum``
-    is exact (power of two) and ``torch.round`` rounds half to even."""
+    """Round non-negative finite fp32 ``a`` (<= the grid's max) to the grid, ties to even.
+
+    The quantum is ``2^(max(floor(log2 a), emin) - mbits)``; ``a / quantum``
+    is exact (power of two) and ``torch.round`` rounds half to even.
+    """
     mbits, emin = _GRID[grid]
     _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1): floor(log2 a) = e - 1
     exp = torch.clamp(e - 1, min=emin)
@@ -160,11 +174,15 @@ def _sanitize_fp4(xb: torch.Tensor) -> torch.Tensor:
 
 
 def mx_exponent_bytes(amax: torch.Tensor) -> torch.Tensor:
-    """UE8M0 block-scale bytes for block amaxes: ``clamp(ceil(log2(amax / 6)) + 127, 0, 254)``,
-    127 for all-zero blocks. ``ceil(log2)`` is exact (from ``frexp``, not ``log2``)."""
+    """Compute UE8M0 block-scale bytes from block amaxes.
+
+    ``clamp(ceil(log2(amax / 6)) + 127, 0, 254)``, 127 for all-zero blocks; ``ceil(log2)`` is
+    exact (from ``frexp``, not ``log2``).
+    """
     r = amax.float() / E2M1_MAX
     m, e = torch.frexp(r)  # r = m * 2^e, m in [0.5, 1)
     ceil_log2 = torch.where(m == 0.5, e - 1, e)
+    ceil_log2 = torch.where(r == 0, torch.full_like(ceil_log2, -1000), ceil_log2)  # underflow
     stored = torch.clamp(ceil_log2.to(torch.int64) + 127, 0, 254)
     stored = torch.where(amax == 0, torch.full_like(stored, 127), stored)
     return stored.to(torch.uint8)
@@ -226,6 +244,8 @@ def quantize(
         codes = torch.where(zero, torch.zeros_like(codes), codes)
         block_scale = s_code
     else:
+        xb = torch.clamp(xb, -MX_MAX, MX_MAX)
+        amax = torch.clamp(amax, max=MX_MAX)
         stored = mx_exponent_bytes(amax)
         inv = torch.ldexp(torch.ones_like(amax), 127.0 - stored.float()).unsqueeze(-1)  # exact
         codes = _e2m1_codes(xb * inv, xb)
@@ -280,6 +300,8 @@ def dequantize(
     else:
         if block_scale.dtype != torch.uint8:
             raise ValueError(f"`block_scale` is {block_scale.dtype}, expected torch.uint8 (ue8m0)")
-        s = torch.ldexp(torch.ones(block_scale.shape, device=data.device), block_scale.float() - 127.0)
+        s = torch.ldexp(
+            torch.ones(block_scale.shape, device=data.device), block_scale.float() - 127.0
+        )
         out = vb * s.unsqueeze(-1)
     return out.reshape(vals.shape).to(out_dtype)

@@ -8,7 +8,8 @@ the buffers both the write kernels and the attention kernels read.
   json). Names recognised, per layer ``N`` (any prefix before ``layers.N.``):
   ``...layers.N.self_attn.k_scale`` / ``v_scale``, the fused projection
   ``...self_attn.qkv_proj.{k,v}_scale`` (llm-compressor), the per-projection
-  ``...self_attn.k_proj.k_scale`` / ``...v_proj.v_scale`` (ModelOpt), ``...self_attn.attn.{k,v}_scale``
+  ``...self_attn.k_proj.k_scale`` / ``...v_proj.v_scale`` (ModelOpt),
+  ``...self_attn.attn.{k,v}_scale``
   and the older single ``...kv_scale`` (k = v). ``weight_scale`` / ``input_scale`` are not KV
   scales. Only one of k/v for a layer: it is used for both. A per-head vector is reduced to its
   max (pools are per-tensor) with a :class:`KVScaleWarning`. Zero, negative or non-finite
@@ -95,11 +96,13 @@ def warn_missing_scales(layer_dtypes: Mapping[int, str]) -> None:
             f"{n} of {len(layer_dtypes)} KV layers (layers {_ranges(by['fp8_e4m3'])}) are fp8_e4m3 "
             f"with k/v scale 1.0: values beyond 448 saturate and small ones lose precision; {how}",
             MissingKVScalesWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of pool.write
         )
     if by["fp8_e5m2"]:
-        logger.info("%d fp8_e5m2 KV layers use k/v scale 1.0 (e5m2's range makes that usable)",
-                    len(by["fp8_e5m2"]))
+        logger.info(
+            "%d fp8_e5m2 KV layers use k/v scale 1.0 (e5m2's range makes that usable)",
+            len(by["fp8_e5m2"]),
+        )
     if by["nvfp4"]:
         logger.info("%d nvfp4 KV layers use global scale 1.0; %s", len(by["nvfp4"]), how)
 
@@ -126,7 +129,9 @@ def apply_scales(pool: KVPool, k: Mapping[int, float], v: Mapping[int, float], s
     for name, m in (("k", k), ("v", v)):
         extra = sorted(i for i in m if not 0 <= i < n)
         if extra:
-            raise ValueError(f"{source}: {name} scales for layers {extra}, the model has {n} layers")
+            raise ValueError(
+                f"{source}: {name} scales for layers {extra}, the model has {n} layers"
+            )
     need = _scaled_layers(pool)
     missing = sorted(i for i in need if i not in k or i not in v)
     if missing:
@@ -135,16 +140,20 @@ def apply_scales(pool: KVPool, k: Mapping[int, float], v: Mapping[int, float], s
             f"{source}: no KV scale for layer(s) {_ranges(missing)} (scales found for layers "
             f"{_ranges(have) or 'none'}); refusing to run those layers at 1.0"
         )
-    pool.set_kv_scales([k.get(i, 1.0) for i in range(n)], [v.get(i, 1.0) for i in range(n)],
-                       source=source)
+    pool.set_kv_scales(
+        [k.get(i, 1.0) for i in range(n)], [v.get(i, 1.0) for i in range(n)], source=source
+    )
 
 
 # --- checkpoints -----------------------------------------------------------------------------
 
 
 def _checkpoint_files(path: Path) -> list[tuple[Path, list[str] | None]]:
-    """The safetensors files to open, each with the scale names to read from it (None: scan its
-    keys). With an index, only shards that hold a KV scale are opened."""
+    """List the safetensors files to open, each with the scale names to read from it.
+
+    Names are None where the file's keys must be scanned. With an index, only shards that hold a
+    KV scale are opened.
+    """
     if path.is_dir():
         idx = path / "model.safetensors.index.json"
         if idx.is_file():
@@ -215,7 +224,8 @@ def read_checkpoint_scales(path: str | Path) -> tuple[dict[int, float], dict[int
                 prev = found.get((layer, which))
                 if prev is not None and prev[0] != x:
                     raise ValueError(
-                        f"layer {layer}: conflicting scales `{prev[1]}` = {prev[0]} and `{name}` = {x}"
+                        f"layer {layer}: conflicting scales `{prev[1]}` = {prev[0]} and "
+                        f"`{name}` = {x}"
                     )
                 found[(layer, which)] = (x, name)
     k: dict[int, float] = {}
@@ -232,7 +242,9 @@ def read_checkpoint_scales(path: str | Path) -> tuple[dict[int, float], dict[int
     return k, v
 
 
-def load_checkpoint_scales(pool: KVPool, path: str | Path) -> tuple[dict[int, float], dict[int, float]]:
+def load_checkpoint_scales(
+    pool: KVPool, path: str | Path
+) -> tuple[dict[int, float], dict[int, float]]:
     """Read a checkpoint's KV scales and set them on ``pool`` (source ``checkpoint:<path>``).
 
     Raises
@@ -243,7 +255,9 @@ def load_checkpoint_scales(pool: KVPool, path: str | Path) -> tuple[dict[int, fl
     """
     k, v = read_checkpoint_scales(path)
     if not k:
-        raise ValueError(f"`path` {path}: the checkpoint has no KV scales (*.k_scale, *.v_scale, *.kv_scale)")
+        raise ValueError(
+            f"`path` {path}: the checkpoint has no KV scales (*.k_scale, *.v_scale, *.kv_scale)"
+        )
     apply_scales(pool, k, v, f"checkpoint:{path}")
     return k, v
 
@@ -282,15 +296,20 @@ def read_json_scales(
         by_rank = kv["scaling_factor"]
     except (KeyError, TypeError):
         raise ValueError(
-            f"scale file {where}: expected {{\"kv_cache\": {{\"dtype\": ..., \"scaling_factor\": "
-            f"{{\"<tp_rank>\": {{\"<layer>\": s or [k, v]}}}}}}}}"
+            f'scale file {where}: expected {{"kv_cache": {{"dtype": ..., "scaling_factor": '
+            f'{{"<tp_rank>": {{"<layer>": s or [k, v]}}}}}}}}'
         ) from None
     dtype = JSON_DTYPES.get(dtype_name, dtype_name if dtype_name in SCALED_DTYPES else None)
     if dtype is None:
-        raise ValueError(f"scale file {where}: `dtype` = {dtype_name!r}; expected one of {', '.join(JSON_DTYPES)}")
+        raise ValueError(
+            f"scale file {where}: `dtype` = {dtype_name!r}; "
+            f"expected one of {', '.join(JSON_DTYPES)}"
+        )
     if not isinstance(by_rank, Mapping) or str(tp_rank) not in by_rank:
         ranks = sorted(by_rank) if isinstance(by_rank, Mapping) else []
-        raise ValueError(f"scale file {where}: no scales for tp rank {tp_rank} (ranks in the file: {ranks})")
+        raise ValueError(
+            f"scale file {where}: no scales for tp rank {tp_rank} (ranks in the file: {ranks})"
+        )
     k: dict[int, float] = {}
     v: dict[int, float] = {}
     for key, s in by_rank[str(tp_rank)].items():
@@ -300,19 +319,24 @@ def read_json_scales(
             raise ValueError(f"scale file {where}: layer key {key!r} is not an integer") from None
         if isinstance(s, (int, float)) and not isinstance(s, bool):
             ks = vs = float(s)
-        elif isinstance(s, (list, tuple)) and len(s) == 2 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in s
+        elif (
+            isinstance(s, (list, tuple))
+            and len(s) == 2
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)
         ):
             ks, vs = float(s[0]), float(s[1])
         else:
-            raise ValueError(f"scale file {where}: layer {layer}: {s!r} is neither a number nor [k, v]")
+            raise ValueError(
+                f"scale file {where}: layer {layer}: {s!r} is neither a number nor [k, v]"
+            )
         k[layer] = _check_scale(layer, "k scale", ks)
         v[layer] = _check_scale(layer, "v scale", vs)
     return dtype, k, v
 
 
-def load_json_scales(pool: KVPool, src: str | Path | Mapping[str, Any], tp_rank: int = 0
-                     ) -> tuple[dict[int, float], dict[int, float]]:
+def load_json_scales(
+    pool: KVPool, src: str | Path | Mapping[str, Any], tp_rank: int = 0
+) -> tuple[dict[int, float], dict[int, float]]:
     """Read a JSON scale file for ``tp_rank`` and set it on ``pool`` (source ``json:<path>``).
 
     Raises
@@ -365,7 +389,10 @@ class Calibrator:
 
     def __init__(self, num_layers: int, dtype: str):
         if dtype not in SCALED_DTYPES:
-            raise ValueError(f"`dtype` = {dtype!r} has no per-layer scales to calibrate; expected one of {', '.join(SCALED_DTYPES)}")
+            raise ValueError(
+                f"`dtype` = {dtype!r} has no per-layer scales to calibrate; "
+                f"expected one of {', '.join(SCALED_DTYPES)}"
+            )
         if num_layers <= 0:
             raise ValueError(f"`num_layers` must be positive, got {num_layers}")
         self.num_layers = num_layers
@@ -373,8 +400,7 @@ class Calibrator:
         self._amax: dict[tuple[int, str], torch.Tensor] = {}
 
     def observe(self, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
-        """Fold one batch of layer ``layer``'s K (and V) into the running amax (device op, no
-        sync)."""
+        """Fold one batch of layer ``layer``'s K (and V) into the running amax (no host sync)."""
         import torch
 
         if not 0 <= layer < self.num_layers:
@@ -395,8 +421,10 @@ class Calibrator:
         return k, v
 
     def scales(self, power_of_two: bool = False) -> tuple[list[float], list[float]]:
-        """Per-layer (k, v) scales: amax / format max (nvfp4: / (6 * 448)), optionally rounded
-        up to a power of two; an all-zero layer gets 1.0.
+        """Turn the amaxes into per-layer (k, v) scales.
+
+        Scale = amax / format max (nvfp4: / (6 * 448)), optionally rounded up to a power of two;
+        an all-zero layer gets 1.0.
 
         Raises
         ------
@@ -418,10 +446,12 @@ class Calibrator:
         return out
 
     def to_json(self, tp_rank: int = 0, power_of_two: bool = False) -> dict[str, Any]:
-        """The JSON scale-file document for these scales (one rank)."""
+        """Build the JSON scale-file document for these scales (one rank)."""
         k, v = self.scales(power_of_two)
         name = {d: j for j, d in JSON_DTYPES.items()}[self.dtype]
-        per_layer = {str(i): (k[i] if k[i] == v[i] else [k[i], v[i]]) for i in range(self.num_layers)}
+        per_layer = {
+            str(i): (k[i] if k[i] == v[i] else [k[i], v[i]]) for i in range(self.num_layers)
+        }
         return {"kv_cache": {"dtype": name, "scaling_factor": {str(tp_rank): per_layer}}}
 
     def write_json(self, path: str | Path, tp_rank: int = 0, power_of_two: bool = False) -> None:

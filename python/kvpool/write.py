@@ -1,5 +1,6 @@
-"""Quantized KV write and the unfused dequantize read: launchers for the Triton kernels, with a
-torch path (``kvpool.formats``) for CPU tensors.
+"""Quantized KV write and the unfused dequantize read.
+
+Launchers for the Triton kernels, with a torch path (``kvpool.formats``) for CPU tensors.
 
 Layouts written (per layer, ``R`` rows = slots, ``H`` KV heads, ``D``/``Dv`` head dims; see
 :class:`kvpool.pool.LayerView`):
@@ -38,20 +39,35 @@ from kvpool import formats
 if TYPE_CHECKING:
     from kvpool.pool import LayerView
 
-MODES = {"fp32": 0, "bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_e5m2": 2, "nvfp4": 3, "fp4_mx_block16": 4}
+MODES = {
+    "fp32": 0,
+    "bf16": 0,
+    "fp16": 0,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 2,
+    "nvfp4": 3,
+    "fp4_mx_block16": 4,
+}
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BACKENDS = ("auto", "triton", "torch")
 
 
-def _check(name: str, t: object, shape: tuple[int, ...] | None, dtypes: tuple[torch.dtype, ...],
-           device: torch.device) -> torch.Tensor:
+def _check(
+    name: str,
+    t: object,
+    shape: tuple[int, ...] | None,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> torch.Tensor:
     """Raise ``ValueError`` naming ``name`` unless ``t`` is a tensor of that shape/dtype/device."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
     if shape is not None and tuple(t.shape) != shape:
         raise ValueError(f"`{name}` has shape {tuple(t.shape)}, expected {shape}")
     if t.dtype not in dtypes:
-        raise ValueError(f"`{name}` has dtype {t.dtype}, expected one of {', '.join(map(str, dtypes))}")
+        raise ValueError(
+            f"`{name}` has dtype {t.dtype}, expected one of {', '.join(map(str, dtypes))}"
+        )
     if t.device != device:
         raise ValueError(f"`{name}` is on {t.device}, the pool is on {device}")
     return t
@@ -72,10 +88,14 @@ def _use_triton(backend: str, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def page_major_offsets(loc: torch.Tensor, num_heads: int, head_dim: int, page_size: int,
-                       interleave: bool) -> torch.Tensor:
-    """Flat byte offsets ``[T, H*D/16]`` (int64) of each token's block scales in a page-major
-    buffer ``[R/page_size, H, page_size, D/16]``; ``interleave`` selects V's 4-token interleave."""
+def page_major_offsets(
+    loc: torch.Tensor, num_heads: int, head_dim: int, page_size: int, interleave: bool
+) -> torch.Tensor:
+    """Compute flat byte offsets of each token's block scales in a page-major buffer.
+
+    Returns ``[T, H*D/16]`` int64 offsets into ``[R/page_size, H, page_size, D/16]``;
+    ``interleave`` selects V's 4-token interleave.
+    """
     db = head_dim // formats.BLOCK
     slot = loc.to(torch.int64)[:, None]
     b = torch.arange(num_heads * db, device=loc.device)[None, :]
@@ -89,8 +109,9 @@ def page_major_offsets(loc: torch.Tensor, num_heads: int, head_dim: int, page_si
     return base + inner
 
 
-def _check_inputs(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
-                  ) -> int:
+def _check_inputs(
+    layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+) -> int:
     dev = layer.k.device
     _check("loc", loc, None, (torch.int32, torch.int64), dev)
     if loc.dim() != 1:
@@ -107,9 +128,12 @@ def _check_inputs(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
     return t
 
 
-def check_values(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-    """The data-dependent checks (host sync on GPU): finite K/V, slots in ``[0, R)``, no slot
-    outside the padding page twice.
+def check_values(
+    layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+) -> None:
+    """Run the data-dependent checks (a host sync on the GPU).
+
+    Finite K/V, slots in ``[0, R)``, no slot outside the padding page twice.
 
     Raises
     ------
@@ -131,7 +155,8 @@ def check_values(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.
         if not bool(fin.all()):
             idx = tuple(int(i) for i in (~fin).nonzero()[0])
             raise ValueError(
-                f"`{name}` has a non-finite value {float(x[idx])} at {list(idx)} (layer {layer.layer})"
+                f"`{name}` has a non-finite value {float(x[idx])} at {list(idx)} "
+                f"(layer {layer.layer})"
             )
 
 
@@ -157,7 +182,9 @@ def _write_torch(layer: LayerView, loc: torch.Tensor, x: torch.Tensor, which: st
     if bs_lin is not None:
         _u8(bs_lin).reshape(bs_lin.shape[0], -1)[idx] = b
     if bs_pm is not None:
-        off = page_major_offsets(loc, layer.num_kv_heads, x.shape[-1], layer.page_size, which == "v")
+        off = page_major_offsets(
+            loc, layer.num_kv_heads, x.shape[-1], layer.page_size, which == "v"
+        )
         _u8(bs_pm).view(-1)[off.reshape(-1)] = b.reshape(-1)
 
 
@@ -165,8 +192,17 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
-             *, debug: bool = False, backend: str = "auto", block_t: int | None = None) -> None:
+def write_kv(
+    layer: LayerView,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None = None,
+    *,
+    debug: bool = False,
+    backend: str = "auto",
+    block_t: int | None = None,
+    num_warps: int = 4,
+) -> None:
     """Quantize ``k``/``v`` into one layer's buffers at slots ``loc``.
 
     Parameters
@@ -184,8 +220,9 @@ def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tens
     backend : {"auto", "triton", "torch"}
         ``auto``: Triton for CUDA tensors, torch (always checked) otherwise. ``triton`` also runs
         CPU tensors under ``TRITON_INTERPRET=1``.
-    block_t : int or None
-        Tokens per Triton program (power of two); None picks one from the head size.
+    block_t, num_warps : int
+        Triton tuning: tokens per program (a power of two; None picks one from the head size)
+        and warps per program.
 
     Raises
     ------
@@ -204,11 +241,17 @@ def write_kv(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tens
         if v is not None:
             _write_torch(layer, loc, v, "v")
         return
-    _launch_write(layer, loc, k, v, block_t)
+    _launch_write(layer, loc, k, v, block_t, num_warps)
 
 
-def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                  block_t: int | None) -> None:
+def _launch_write(
+    layer: LayerView,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    block_t: int | None,
+    num_warps: int,
+) -> None:
     from kvpool.triton_kernels.quant_write import quant_write_kernel
 
     mode = MODES[layer.dtype]
@@ -216,15 +259,35 @@ def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
     rows = layer.k.shape[0]
     h = layer.num_kv_heads
 
+    fp4 = mode >= 3
+
+    def words(x: torch.Tensor) -> torch.Tensor:
+        # FP4 kernels load element pairs (2i, 2i+1) as one word: int32 for 16-bit, int64 for fp32
+        if x.stride(2) != 1 or x.stride(0) % 2 or x.stride(1) % 2:
+            x = x.contiguous()
+        return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+
     def args(which: str, x: torch.Tensor, d: int) -> list[object]:
+        if fp4:
+            x = words(x)
         data = _u8(getattr(layer, which))
         lin = getattr(layer, f"{which}_block_scale")
         pm = getattr(layer, f"{which}_block_scale_page_major")
         sc = getattr(layer, f"{which}_scale")
         lin_u8 = data if lin is None else _u8(lin)
         pm_u8 = data if pm is None else _u8(pm)
-        return [x, x.stride(0), x.stride(1), x.stride(2), data, data.stride(0), lin_u8,
-                h * d // formats.BLOCK, pm_u8, data if sc is None else sc]
+        return [
+            x,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            data,
+            data.stride(0),
+            lin_u8,
+            h * d // formats.BLOCK,
+            pm_u8,
+            data if sc is None else sc,
+        ]
 
     ka = args("k", k, layer.head_dim)
     if v is None:
@@ -236,19 +299,40 @@ def _launch_write(layer: LayerView, loc: torch.Tensor, k: torch.Tensor, v: torch
         block_t = max(1, min(64, 4096 // max(bck, bcv)))
     if block_t & (block_t - 1):
         raise ValueError(f"`block_t` = {block_t} must be a power of two")
-    lin = (layer.k_block_scale is not None)
-    pm = (layer.k_block_scale_page_major is not None)
+    lin = layer.k_block_scale is not None
+    pm = layer.k_block_scale_page_major is not None
+    kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
     grid = ((t + block_t - 1) // block_t, kinds)
     quant_write_kernel[grid](
-        loc, t, rows, *ka, *va,
-        H=h, DK=layer.head_dim, DV=dv, PAGE=layer.page_size, MODE=mode,
-        WRITE_LINEAR=lin, WRITE_PM=pm, BLOCK_T=block_t, BLOCK_CK=bck, BLOCK_CV=bcv,
-        num_warps=4,
+        loc,
+        t,
+        rows,
+        *ka,
+        *va,
+        H=h,
+        DK=layer.head_dim,
+        DV=dv,
+        PAGE=layer.page_size,
+        MODE=mode,
+        WRITE_LINEAR=lin,
+        WRITE_PM=pm,
+        K_KIND=kind[k.dtype],
+        V_KIND=kind[(v if v is not None else k).dtype],
+        BLOCK_T=block_t,
+        BLOCK_CK=bck,
+        BLOCK_CV=bcv,
+        num_warps=num_warps,
     )
 
 
-def dequantize_kv(layer: LayerView, loc: torch.Tensor, which: str = "k",
-                  out_dtype: torch.dtype = torch.float32, *, backend: str = "auto") -> torch.Tensor:
+def dequantize_kv(
+    layer: LayerView,
+    loc: torch.Tensor,
+    which: str = "k",
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Read slots ``loc`` of one layer's K or V back as ``[N, H, D]`` values.
 
     Parameters
@@ -280,13 +364,14 @@ def dequantize_kv(layer: LayerView, loc: torch.Tensor, which: str = "k",
     lin = getattr(layer, f"{which}_block_scale")
     pm = getattr(layer, f"{which}_block_scale_page_major")
     sc = getattr(layer, f"{which}_scale")
+    use_triton = _use_triton(backend, dev)
     bs: torch.Tensor | None = None  # [N, H*D/16] bytes, gathered by token (device op, no sync)
-    if lin is not None:
+    if lin is not None and not use_triton:
         bs = _u8(lin).reshape(rows, -1)[loc.to(torch.int64).clamp(0, rows - 1)]
-    elif pm is not None:
+    elif lin is None and pm is not None:  # the kernel reads token-linear scales: gather them
         off = page_major_offsets(loc.clamp(0, rows - 1), h, d, layer.page_size, which == "v")
         bs = _u8(pm).view(-1)[off]
-    if not _use_triton(backend, dev):
+    if not use_triton:
         bad = (loc < 0) | (loc >= rows)
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -307,10 +392,23 @@ def dequantize_kv(layer: LayerView, loc: torch.Tensor, which: str = "k",
     block_t = max(1, min(64, 4096 // block_c))
     du8 = _u8(data)
     by_token = lin is None
-    bsp = du8 if bs is None else (_u8(lin) if lin is not None else bs.contiguous())
+    bsp = _u8(lin) if lin is not None else (du8 if bs is None else bs.contiguous())
     dequant_kernel[((n + block_t - 1) // block_t,)](
-        loc, n, rows, du8, du8.stride(0), bsp, h * d // formats.BLOCK, by_token,
-        du8 if sc is None else sc, out,
-        H=h, D=d, MODE=MODES[layer.dtype], BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        loc,
+        n,
+        rows,
+        du8,
+        du8.stride(0),
+        bsp,
+        h * d // formats.BLOCK,
+        by_token,
+        du8 if sc is None else sc,
+        out,
+        H=h,
+        D=d,
+        MODE=MODES[layer.dtype],
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
     )
     return out

@@ -18,8 +18,22 @@ pub enum SizingError {
     NoBudget { available: u64, reserved: u64, total: u64, mem_frac: f64 },
     #[error("budget of {budget} bytes cannot hold one page: the smallest pool (one usable page of {page_size} tokens plus the padding page, {bytes_per_token} bytes per token, {fixed} fixed bytes) needs {needed} bytes, {missing} more; raise `mem_frac`, lower `page_size`, or pick a smaller KV dtype")]
     TooSmall { budget: u64, needed: u64, missing: u64, page_size: u64, bytes_per_token: u64, fixed: u64 },
+    #[error("`{what}` = {value} exceeds {MAX_TOKENS} tokens")]
+    TooManyTokens { what: &'static str, value: u64 },
+    #[error("a pool of {num_tokens} tokens would take more than 2^64 bytes")]
+    TooLarge { num_tokens: u64 },
     #[error(transparent)]
     Layout(#[from] LayoutError),
+}
+
+/// Largest token count a plan or request may have (2^40, about 1.1e12 tokens).
+pub const MAX_TOKENS: u64 = 1 << 40;
+
+fn check_tokens(what: &'static str, value: u64) -> Result<u64, SizingError> {
+    if value > MAX_TOKENS {
+        return Err(SizingError::TooManyTokens { what, value });
+    }
+    Ok(value)
 }
 
 /// SGLang's KV budget in bytes: `available - total * (1 - mem_frac)`.
@@ -62,8 +76,9 @@ pub fn capacity(layout: &Layout, budget: u64) -> Result<u64, SizingError> {
             fixed,
         });
     }
+    // needed fits in `budget`, so rows >= 2 pages and bpt > 0 (every KV layer stores bytes).
     let rows = (budget - fixed) / bpt;
-    Ok((rows / ps - 1) * ps)
+    Ok((rows / ps - 1) * ps).and_then(|n| check_tokens("capacity", n))
 }
 
 /// A sized pool: its layout and how many tokens it holds.
@@ -92,8 +107,8 @@ impl Plan {
     pub fn with_tokens(model: &ModelGeometry, config: &LayoutConfig, num_tokens: u64) -> Result<Self, SizingError> {
         let layout = Layout::new(model, config)?;
         let ps = layout.page_size;
-        let num_tokens = num_tokens.div_ceil(ps) * ps;
-        let budget = layout.total_bytes(num_tokens);
+        let num_tokens = check_tokens("num_tokens", num_tokens)?.div_ceil(ps) * ps;
+        let budget = layout.checked_total_bytes(num_tokens).ok_or(SizingError::TooLarge { num_tokens })?;
         Ok(Self { layout, num_tokens, budget })
     }
 
@@ -120,25 +135,29 @@ impl Plan {
     /// sliding-window layers are counted as a windowed pool would hold them: `min(n, window)`
     /// tokens rounded up to whole pages, plus one page when `page_size > 1` (the window's start
     /// rarely falls on a page boundary). The shared workspace is not per request.
-    pub fn request_bytes(&self, model: &ModelGeometry, n: u64) -> u64 {
+    ///
+    /// # Errors
+    /// [`SizingError::TooManyTokens`] for `n` beyond [`MAX_TOKENS`], [`SizingError::TooLarge`]
+    /// when the bytes exceed `u64::MAX`.
+    pub fn request_bytes(&self, model: &ModelGeometry, n: u64) -> Result<u64, SizingError> {
         let ps = self.layout.page_size;
-        let full_tokens = n.div_ceil(ps) * ps;
-        model
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, kind)| {
-                let tokens = match *kind {
-                    LayerKind::Full => full_tokens,
-                    LayerKind::Sliding { window } => {
-                        let held = n.min(window).div_ceil(ps) * ps + if ps > 1 { ps } else { 0 };
-                        held.min(full_tokens)
-                    }
-                    LayerKind::Linear => 0,
-                };
-                tokens * self.layout.layer_bytes_per_token(i)
-            })
-            .sum()
+        let full_tokens = check_tokens("n", n)?.div_ceil(ps) * ps;
+        let mut total: u64 = 0;
+        for (i, kind) in model.layers.iter().enumerate() {
+            let tokens = match *kind {
+                LayerKind::Full => full_tokens,
+                LayerKind::Sliding { window } => {
+                    let held = n.min(window).div_ceil(ps) * ps + if ps > 1 { ps } else { 0 };
+                    held.min(full_tokens)
+                }
+                LayerKind::Linear => 0,
+            };
+            total = tokens
+                .checked_mul(self.layout.layer_bytes_per_token(i))
+                .and_then(|b| total.checked_add(b))
+                .ok_or(SizingError::TooLarge { num_tokens: n })?;
+        }
+        Ok(total)
     }
 }
 
@@ -236,7 +255,7 @@ mod tests {
             }
         }
         let plan = Plan::new(&m, &cfg(KvDtype::Bf16, 1, 1), GIB).unwrap();
-        assert_eq!(plan.request_bytes(&m, 100), 7_372_800);
-        assert_eq!(plan.request_bytes(&m, 8192), 306_708_480);
+        assert_eq!(plan.request_bytes(&m, 100), Ok(7_372_800));
+        assert_eq!(plan.request_bytes(&m, 8192), Ok(306_708_480));
     }
 }
