@@ -100,6 +100,19 @@ class CacheMachine(RuleBasedStateMachine):
 
         return st.tuples(st.lists(page, max_size=5), tail).map(build)
 
+    def draw_tokens(self, data):
+        """Fresh tokens, or a cached prefix cut, bent (one token changed) and/or extended: the
+        inputs that split edges, end inside them, or diverge inside a page."""
+        fresh = data.draw(self.tokens(self.PAGE_SIZE))
+        if not self.entries or data.draw(st.integers(0, 2)) == 0:
+            return fresh
+        _, prefix = data.draw(st.sampled_from(sorted(self.entries, key=repr)))
+        toks = list(prefix)
+        toks = toks[: data.draw(st.integers(0, len(toks)))] if data.draw(st.booleans()) else toks
+        if toks and data.draw(st.booleans()):
+            toks[data.draw(st.integers(0, len(toks) - 1))] += 100
+        return np.array(toks + fresh.tolist(), dtype=np.int32)
+
     # --- model helpers ---------------------------------------------------------------------------
 
     def key(self, ns, tokens, k):
@@ -198,10 +211,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def free_request(self, data):
-        p = self.requests.pop(data.draw(st.integers(0, len(self.requests) - 1)))
-        self.a.free(p)
-        for x in p.tolist():
-            self.refs[x] -= 1
+        self.release(data.draw(st.sampled_from(self.requests)))
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -224,9 +234,7 @@ class CacheMachine(RuleBasedStateMachine):
             with pytest.raises(PageError):
                 self.a.free(np.array([page], dtype=np.int64))
 
-    @rule(ns=st.integers(0, len(NAMESPACES) - 1), and_lock=st.booleans(), data=st.data())
-    def match(self, ns, and_lock, data):
-        tokens = data.draw(self.tokens(self.PAGE_SIZE))
+    def do_match(self, ns, tokens):
         k = self.longest(ns, tokens)
         pages, h, n = self.c.match_prefix(tokens, namespace=NAMESPACES[ns])
         assert n == k * self.PAGE_SIZE
@@ -238,8 +246,49 @@ class CacheMachine(RuleBasedStateMachine):
         key = self.key(ns, tokens, k) if k else None
         handle = (h, key, self.entries[key].serial if key else None, self.epoch)
         self.handles.append(handle)
-        if and_lock:  # what a request does next
+        return handle, pages
+
+    def do_insert(self, ns, tokens, arg):
+        ps = self.PAGE_SIZE
+        k = self.longest(ns, tokens)
+        assert self.c.insert(tokens, arg, namespace=NAMESPACES[ns]) == k * ps
+        self.clock += 1
+        self.touch(ns, tokens, k)
+        for j in range(k + 1, len(tokens) // ps + 1):
+            self.serial += 1
+            self.entries[self.key(ns, tokens, j)] = Entry(int(arg[j - 1]), self.clock, 0, self.serial)
+            self.refs[int(arg[j - 1])] += 1
+
+    def release(self, pages):
+        del self.requests[next(i for i, r in enumerate(self.requests) if r is pages)]
+        self.a.free(pages)
+        for x in pages.tolist():
+            self.refs[x] -= 1
+
+    @rule(ns=st.integers(0, len(NAMESPACES) - 1), and_lock=st.booleans(), data=st.data())
+    def match(self, ns, and_lock, data):
+        handle, _ = self.do_match(ns, self.draw_tokens(data))
+        if and_lock:  # a request keeps its prefix pinned
             self.do_lock(handle)
+
+    @rule(ns=st.integers(0, len(NAMESPACES) - 1), data=st.data())
+    def serve(self, ns, data):
+        """One request as a serving loop runs it: match, lock, cache.alloc the rest, insert the
+        whole sequence, unlock, release the request's own pages."""
+        tokens = self.draw_tokens(data)
+        handle, matched = self.do_match(ns, tokens)
+        self.do_lock(handle)
+        need = -(-len(tokens) // self.PAGE_SIZE) - len(matched)
+        if need <= self.free_pages() + self.reclaimable():
+            new = self.c.alloc(need)
+            self.sync_evictions()
+            self.take(new)
+            self.do_insert(ns, tokens, np.concatenate([matched, new]))
+            self.release(new)
+        else:
+            with pytest.raises(OutOfPagesError):
+                self.c.alloc(need)
+        self.do_unlock(handle)
 
     @rule(
         ns=st.integers(0, len(NAMESPACES) - 1),
@@ -251,7 +300,7 @@ class CacheMachine(RuleBasedStateMachine):
     def insert(self, ns, reuse, partial, keep, data):
         """A request finishing: pages for its tokens (evicting if needed), insert, and usually
         release its own references right away."""
-        tokens = data.draw(self.tokens(self.PAGE_SIZE))
+        tokens = self.draw_tokens(data)
         ps = self.PAGE_SIZE
         full = len(tokens) // ps
         n = -(-len(tokens) // ps) if partial else full
@@ -260,23 +309,13 @@ class CacheMachine(RuleBasedStateMachine):
         pages = self.c.alloc(n)
         self.sync_evictions()
         self.take(pages)
-        k = self.longest(ns, tokens)
         arg = pages.copy()
         if reuse:  # hand the cached pages back for the present part, as a request that matched
-            for j in range(k):
+            for j in range(self.longest(ns, tokens)):
                 arg[j] = self.entries[self.key(ns, tokens, j + 1)].page
-        assert self.c.insert(tokens, arg, namespace=NAMESPACES[ns]) == k * ps
-        self.clock += 1
-        self.touch(ns, tokens, k)
-        for j in range(k + 1, full + 1):
-            self.serial += 1
-            self.entries[self.key(ns, tokens, j)] = Entry(int(arg[j - 1]), self.clock, 0, self.serial)
-            self.refs[int(arg[j - 1])] += 1
+        self.do_insert(ns, tokens, arg)
         if not keep:
-            self.requests.pop()
-            self.a.free(pages)
-            for x in pages.tolist():
-                self.refs[x] -= 1
+            self.release(pages)
 
     @rule(ns=st.integers(0, len(NAMESPACES) - 1), how=st.sampled_from(["cached", "free", "dup"]), data=st.data())
     def bad_insert(self, ns, how, data):
@@ -326,7 +365,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(locked_one=st.booleans(), data=st.data())
     def unlock(self, locked_one, data):
         locked = [h for h in self.handles if self.valid(h) and self.own[self.own_key(h)] > 0]
-        h = data.draw(st.sampled_from(locked if locked_one and locked else self.handles))
+        self.do_unlock(data.draw(st.sampled_from(locked if locked_one and locked else self.handles)))
+
+    def do_unlock(self, h):
         if not self.valid(h):
             with pytest.raises(StaleNodeError):
                 self.c.unlock(h[0])
@@ -340,8 +381,9 @@ class CacheMachine(RuleBasedStateMachine):
                 for k in self.path(h[1]):
                     self.entries[k].lock -= 1
 
-    @rule(n=st.integers(0, 40))
-    def evict(self, n):
+    @rule(pages=st.integers(0, 2), extra=st.integers(0, 1))
+    def evict(self, pages, extra):
+        n = pages * self.PAGE_SIZE + extra
         freed = self.c.evict(n)
         removed = self.sync_evictions()
         assert freed == removed * self.PAGE_SIZE

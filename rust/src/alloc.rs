@@ -101,20 +101,46 @@ pub(crate) fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
+/// Per-page state, kept together so one page costs one cache line touch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    /// Reference count in the low 31 bits; bit 31 set while a prefix cache holds one of them.
+    refs: u32,
+    /// Stamp of the last call that saw the page: detects repeated ids in O(n), no allocation.
+    seen: u32,
+}
+
+const CACHED: u32 = 1 << 31;
+const MAX_REFS: u32 = CACHED - 1;
+
+impl Slot {
+    const fn count(self) -> u32 {
+        self.refs & MAX_REFS
+    }
+    const fn cached(self) -> bool {
+        self.refs & CACHED != 0
+    }
+}
+
+/// What a validated call is about to do with its pages.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Use {
+    /// Drop one of the caller's references (not the cache's).
+    Free,
+    /// Add one reference.
+    Share,
+}
+
 /// The page allocator. Not thread-safe by itself; the Python binding wraps it in a mutex.
 #[derive(Debug)]
 pub struct PageAllocator {
     id: u64,
     page_size: u32,
     num_pages: u32,
-    /// Reference count per page id; index 0 (padding) stays 0.
-    refs: Vec<u32>,
+    /// State per page id; index 0 (padding) stays unused.
+    slots: Vec<Slot>,
     /// Free pages, used as a stack (the last entries are handed out first).
     free: Vec<PageId>,
-    /// Whether a prefix cache holds one of the page's references (it may drop only that one).
-    cached: Vec<bool>,
-    /// Per-page stamp of the last call that saw it: detects repeated ids in O(n), no allocation.
-    seen: Vec<u32>,
     stamp: u32,
 }
 
@@ -138,16 +164,7 @@ impl PageAllocator {
         let n = num_pages as u32;
         // Stack order: the first `alloc` returns 1, 2, 3, ...
         let free = (1..=n).rev().filter_map(PageId::new).collect();
-        Ok(Self {
-            id: next_id(),
-            page_size: page_size as u32,
-            num_pages: n,
-            refs: vec![0; n as usize + 1],
-            free,
-            cached: vec![false; n as usize + 1],
-            seen: vec![0; n as usize + 1],
-            stamp: 0,
-        })
+        Ok(Self { id: next_id(), page_size: page_size as u32, num_pages: n, slots: vec![Slot::default(); n as usize + 1], free, stamp: 0 })
     }
 
     pub const fn num_pages(&self) -> usize {
@@ -163,13 +180,17 @@ impl PageAllocator {
     pub fn num_used(&self) -> usize {
         self.num_pages as usize - self.free.len()
     }
-    /// References held on `page` (0 for a free page).
+    /// References held on `page` (0 for a free page), the cache's included.
     pub fn ref_count(&self, page: PageId) -> u32 {
-        self.refs.get(page.index()).copied().unwrap_or(0)
+        self.slots.get(page.index()).map_or(0, |s| s.count())
     }
     /// Reference count of every page id, index 0 (padding) included.
-    pub fn ref_counts(&self) -> &[u32] {
-        &self.refs
+    pub fn ref_counts(&self) -> Vec<u32> {
+        self.slots.iter().map(|s| s.count()).collect()
+    }
+    /// Whether a prefix cache holds a reference on `page`.
+    pub fn is_cached(&self, page: PageId) -> bool {
+        self.slots.get(page.index()).is_some_and(|s| s.cached())
     }
     pub(crate) const fn id(&self) -> u64 {
         self.id
@@ -187,7 +208,7 @@ impl PageAllocator {
         let out: Vec<PageId> = self.free[start..].iter().rev().copied().collect();
         self.free.truncate(start);
         for p in &out {
-            self.refs[p.index()] = 1;
+            self.slots[p.index()].refs = 1;
         }
         Ok(out)
     }
@@ -198,12 +219,15 @@ impl PageAllocator {
     /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
     /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        let ids = self.check_held(pages, false)?;
-        if let Some(p) = ids.iter().find(|p| self.refs[p.index()] == u32::from(self.cached[p.index()])) {
-            return Err(AllocError::OnlyCached { page: p.get() });
-        }
-        for p in ids {
-            self.release(p);
+        self.check_held(pages, Use::Free)?;
+        for &raw in pages {
+            // Validated above: in range and held.
+            let i = raw.to_i64() as usize;
+            let s = &mut self.slots[i];
+            s.refs -= 1;
+            if s.refs == 0 {
+                self.free.extend(PageId::new(i as u32));
+            }
         }
         Ok(())
     }
@@ -213,9 +237,9 @@ impl PageAllocator {
     /// # Errors
     /// As [`free`](Self::free), plus [`AllocError::RefOverflow`]; nothing changes then.
     pub fn inc_ref<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        let ids = self.check_held(pages, true)?;
-        for p in ids {
-            self.refs[p.index()] += 1;
+        self.check_held(pages, Use::Share)?;
+        for &raw in pages {
+            self.slots[raw.to_i64() as usize].refs += 1;
         }
         Ok(())
     }
@@ -235,64 +259,50 @@ impl PageAllocator {
         PageId::new(v as u32).ok_or(AllocError::PaddingPage)
     }
 
-    /// Validates that every page is usable, allocated and listed once (and, with `adding`, can take
-    /// one more reference). Returns the typed ids; changes no reference count.
-    pub(crate) fn check_held<P: RawPage>(&mut self, pages: &[P], adding: bool) -> Result<Vec<PageId>, AllocError> {
+    /// Validates that every page is usable, allocated and listed once, and allowed for `what`.
+    /// Changes no reference count.
+    pub(crate) fn check_held<P: RawPage>(&mut self, pages: &[P], what: Use) -> Result<(), AllocError> {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
-            self.seen.fill(0);
+            self.slots.iter_mut().for_each(|s| s.seen = 0);
             self.stamp = 1;
         }
-        let mut out = Vec::with_capacity(pages.len());
+        let stamp = self.stamp;
         for &raw in pages {
             let p = self.page(raw)?;
-            let i = p.index();
-            if self.refs[i] == 0 {
+            let s = &mut self.slots[p.index()];
+            let count = s.count();
+            if count == 0 {
                 return Err(AllocError::NotAllocated { page: p.get() });
             }
-            if self.seen[i] == self.stamp {
+            if s.seen == stamp {
                 return Err(AllocError::Duplicate { page: p.get() });
             }
-            if adding && self.refs[i] == u32::MAX {
-                return Err(AllocError::RefOverflow { page: p.get() });
+            match what {
+                Use::Free if count == u32::from(s.cached()) => return Err(AllocError::OnlyCached { page: p.get() }),
+                Use::Share if count == MAX_REFS => return Err(AllocError::RefOverflow { page: p.get() }),
+                _ => {}
             }
-            self.seen[i] = self.stamp;
-            out.push(p);
+            s.seen = stamp;
         }
-        Ok(out)
-    }
-
-    /// Whether a prefix cache holds a reference on `page`.
-    pub fn is_cached(&self, page: PageId) -> bool {
-        self.cached.get(page.index()).copied().unwrap_or(false)
+        Ok(())
     }
 
     /// The cache's reference: taken on a held page not cached yet, checked by the caller.
     pub(crate) fn retain_cached(&mut self, p: PageId) {
-        self.cached[p.index()] = true;
-        self.retain(p);
+        let s = &mut self.slots[p.index()];
+        debug_assert!(s.count() > 0 && !s.cached() && s.count() < MAX_REFS);
+        s.refs = (s.refs + 1) | CACHED;
     }
 
     /// Drops the cache's reference on a page it holds.
     pub(crate) fn release_cached(&mut self, p: PageId) {
-        self.cached[p.index()] = false;
-        self.release(p);
-    }
-
-    /// Drops one reference on a page known to be held (checked by the caller).
-    fn release(&mut self, p: PageId) {
-        let r = &mut self.refs[p.index()];
-        debug_assert!(*r > 0, "release of free page {}", p.get());
-        *r = r.saturating_sub(1);
-        if *r == 0 {
+        let s = &mut self.slots[p.index()];
+        debug_assert!(s.cached() && s.count() > 0, "release of page {} the cache does not hold", p.get());
+        s.refs = (s.refs & MAX_REFS).saturating_sub(1);
+        if s.refs == 0 {
             self.free.push(p);
         }
-    }
-
-    /// Adds one reference to a page known to be held and below the maximum (checked by the caller).
-    fn retain(&mut self, p: PageId) {
-        let r = &mut self.refs[p.index()];
-        *r = r.saturating_add(1);
     }
 }
 
@@ -423,6 +433,7 @@ mod tests {
         let mut a = PageAllocator::new(2, 1).unwrap();
         let p = a.alloc(2).unwrap();
         a.stamp = u32::MAX;
+        a.slots[1].seen = 1; // a stale stamp that would alias after the wrap
         assert!(a.inc_ref(&p).is_ok());
         assert_eq!(a.stamp, 1);
         assert!(a.inc_ref(&[p[0], p[0]]).is_err());

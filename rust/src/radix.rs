@@ -32,7 +32,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
-use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
+use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage, Use};
 
 /// Errors of the `radix` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -240,11 +240,16 @@ pub struct RadixCache {
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
-    const CHUNK: usize = 32;
     let n = a.len().min(b.len());
+    // A whole match is the common case: one memcmp. Otherwise narrow down in shrinking chunks.
+    if a[..n] == b[..n] {
+        return n;
+    }
     let mut i = 0;
-    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
-        i += CHUNK;
+    for chunk in [512, 64, 8] {
+        while i + chunk <= n && a[i..i + chunk] == b[i..i + chunk] {
+            i += chunk;
+        }
     }
     while i < n && a[i] == b[i] {
         i += 1;
@@ -449,9 +454,11 @@ impl RadixCache {
     /// reference on the pages of the part not cached yet; the others stay the caller's.
     /// Returns the number of tokens that were already cached.
     ///
+    /// Only the pages the tree takes are looked at (the others are the caller's business).
+    ///
     /// # Errors
-    /// [`RadixError::LengthMismatch`]; a page id that is the padding page or out of range, or (for
-    /// the pages the tree takes) not allocated, repeated, or already in the tree. Nothing changes.
+    /// [`RadixError::LengthMismatch`]; a page the tree would take that is the padding page, out of
+    /// range, not allocated, repeated, or already in the tree. Nothing changes then.
     pub fn insert<P: RawPage>(
         &mut self,
         alloc: &mut PageAllocator,
@@ -464,9 +471,6 @@ impl RadixCache {
         let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
         if pages.len() != full && pages.len() != ceil {
             return Err(RadixError::LengthMismatch { tokens: tokens.len(), pages: pages.len(), page_size: ps, full, ceil });
-        }
-        for &p in pages {
-            alloc.page(p)?;
         }
         let aligned = full * ps;
         // Read-only walk: whole nodes on the path, then where the walk stops inside an edge.
@@ -489,7 +493,13 @@ impl RadixCache {
                 cur = child;
             }
         }
-        let new = if pos < aligned { alloc.check_held(&pages[pos / ps..full], true)? } else { Vec::new() };
+        let new: Vec<PageId> = if pos < aligned {
+            let raw = &pages[pos / ps..full];
+            alloc.check_held(raw, Use::Share)?;
+            raw.iter().filter_map(|&p| alloc.page(p).ok()).collect()
+        } else {
+            Vec::new()
+        };
         if let Some(p) = new.iter().find(|&&p| alloc.is_cached(p)) {
             return Err(RadixError::PageInTree { page: p.get() });
         }
@@ -1059,11 +1069,14 @@ mod tests {
 
     #[test]
     fn common_prefix_chunks() {
-        let a: Vec<i32> = (0..100).collect();
-        let mut b = a.clone();
-        assert_eq!(common_prefix(&a, &b), 100);
-        b[70] = -1;
-        assert_eq!(common_prefix(&a, &b), 70);
-        assert_eq!(common_prefix(&a[..5], &b), 5);
+        let a: Vec<i32> = (0..2000).collect();
+        for k in [0, 1, 7, 8, 63, 64, 70, 511, 512, 1500, 1999] {
+            let mut b = a.clone();
+            b[k] = -1;
+            assert_eq!(common_prefix(&a, &b), k);
+        }
+        assert_eq!(common_prefix(&a, &a), 2000);
+        assert_eq!(common_prefix(&a[..5], &a), 5);
+        assert_eq!(common_prefix(&[], &a), 0);
     }
 }

@@ -58,7 +58,7 @@ impl PyPageAllocator {
     }
 
     fn ref_counts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<u32>> {
-        PyArray1::from_slice(py, guard(&self.inner).ref_counts())
+        PyArray1::from_vec(py, guard(&self.inner).ref_counts())
     }
 
     #[getter]
