@@ -2,9 +2,9 @@
 
 This is the reference client of the pool API: each layer projects Q/K/V, applies RoPE, stores K
 (after RoPE, as the cache keeps it) and V with ``pool.write(layer, loc, k, v)`` and attends with
-:func:`kvpool.attention.extend` (prefill, several new tokens per request) or
-:func:`kvpool.attention.decode` (one new token per request), reading every key and value back from
-the pool. The attention plan (launch metadata) is made once per step and shared by all layers.
+``pool.extend`` (prefill, several new tokens per request) or ``pool.decode`` (one new token per
+request; both :mod:`kvpool.attention`), reading every key and value back from the pool. The
+attention plan (launch metadata) is made once per step and shared by all layers.
 The fidelity harness (:mod:`kvpool.fidelity`), the tests and ``examples/serve.py`` drive it.
 It is not a serving engine: no sampling policy, no scheduler, no tensor parallelism; batching
 metadata comes from the caller as a :class:`Step`.
@@ -68,7 +68,7 @@ class Step:
 
     @property
     def is_decode(self) -> bool:
-        """One new token per request: attention goes through :func:`kvpool.attention.decode`."""
+        """One new token per request: attention goes through ``pool.decode``."""
         return self.positions.numel() == self.seq_lens.numel()
 
     @property
@@ -330,13 +330,13 @@ class Llama:
         triton = self.attn_backend == "triton" or (self.attn_backend == "auto" and h.is_cuda)
         kw: dict[str, Any] = {"sm_scale": self.scale, "backend": self.attn_backend}
         if step.is_decode:
-            fn = attention.decode
+            fn = pool.decode
             if triton:
                 kw["plan"] = attention.plan_decode(view0, self.hq, step.page_table, step.seq_lens)
             else:
                 kw.update(page_table=step.page_table, seq_lens=step.seq_lens)
         else:
-            fn = attention.extend
+            fn = pool.extend
             if triton:
                 kw["plan"] = attention.plan_extend(
                     view0, self.hq, step.cu_seqlens_q, step.page_table, step.seq_lens
@@ -349,7 +349,7 @@ class Llama:
         for i in range(self.num_layers):
             q, k, v = self._qkv(i, h, step.positions)
             pool.write(i, step.out_loc, k, v)
-            o = fn(pool.layer(i), q, **kw)
+            o = fn(i, q, **kw)
             h = self._finish_layer(i, h, o)
         return self.logits(h if all_logits else h[step.last_index])
 
