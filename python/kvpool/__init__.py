@@ -5,26 +5,58 @@ import torch when used.
 """
 
 from kvpool._core import (
+    ArrayTypeError,
+    BatchError,
     BudgetTooSmallError,
+    CacheBusyError,
+    InvalidArgumentError,
     KvDtypeError,
     LayoutError,
+    LockError,
     ModelConfigError,
+    OutOfPagesError,
+    PageAllocator,
+    PageError,
+    RadixCache,
+    RadixNode,
     SizingError,
+    StaleNodeError,
+    assign_pages,
+    decode_slots,
+    extend_slots,
+    page_table,
+    pages_needed,
 )
 from kvpool.config import ModelSpec
 from kvpool.sizing import KV_DTYPES, Plan, compare, size_for
 
 __all__ = [
     "KV_DTYPES",
+    "ArrayTypeError",
+    "BatchError",
     "BudgetTooSmallError",
+    "CacheBusyError",
+    "InvalidArgumentError",
     "KVPool",
     "KvDtypeError",
     "LayoutError",
+    "LockError",
     "ModelConfigError",
     "ModelSpec",
+    "OutOfPagesError",
+    "PageAllocator",
+    "PageError",
     "Plan",
+    "RadixCache",
+    "RadixNode",
     "SizingError",
+    "StaleNodeError",
+    "assign_pages",
     "compare",
+    "decode_slots",
+    "extend_slots",
+    "page_table",
+    "pages_needed",
     "size_for",
 ]
 

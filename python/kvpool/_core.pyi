@@ -88,3 +88,307 @@ def plan(
     budget: int | None = None,
     num_tokens: int | None = None,
 ) -> Plan: ...
+
+
+
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+Int32Array: TypeAlias = npt.NDArray[np.int32]
+IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
+Namespace: TypeAlias = None | int | str | bytes | tuple["Namespace", ...]
+
+
+# --- exceptions ----------------------------------------------------------------------------------
+
+class OutOfPagesError(MemoryError):
+    """Not enough free pages; nothing was allocated or evicted.
+
+    Attributes
+    ----------
+    requested : int
+        Pages asked for.
+    free : int
+        Pages free in the allocator at the time.
+    evictable : int
+        Pages that evicting every unlocked cache entry would have returned (0 for
+        ``PageAllocator.alloc``).
+    """
+
+    requested: int
+    free: int
+    evictable: int
+
+class PageError(ValueError):
+    """A page id that cannot be used here: padding page 0, out of range, free (double free),
+    repeated within one call, held only by the cache, or already cached under another key."""
+
+class InvalidArgumentError(ValueError):
+    """A bad argument: negative count, zero sizes, mismatched tokens/pages lengths, a token
+    beyond int32, a cache page size that differs from the allocator's, a namespace of an
+    unsupported type."""
+
+class StaleNodeError(KeyError):
+    """A node handle whose node was evicted, whose cache was reset, or that belongs to another
+    cache."""
+
+class LockError(ValueError):
+    """``unlock`` without a matching ``lock`` on the same node (the count would go below zero)."""
+
+class CacheBusyError(RuntimeError):
+    """The cache cannot do this (``reset``) while locks are held."""
+
+class CacheCorruptError(RuntimeError):
+    """``RadixCache.check_invariants`` found a broken invariant (a bug in kvpool)."""
+
+class BatchError(ValueError):
+    """Inconsistent batch metadata: lengths, page-table width, missing pages, slot overflow."""
+
+class ArrayTypeError(TypeError, ValueError):
+    """An array argument of the wrong dtype, rank or memory order (or not a numpy array)."""
+
+# --- allocator -----------------------------------------------------------------------------------
+
+class PageAllocator:
+    """Pages ``1..num_pages`` of ``page_size`` tokens with reference counts.
+
+    Every call is atomic: it validates its whole input first and changes nothing on error.
+
+    Parameters
+    ----------
+    num_pages : int
+        Usable pages (page 0, the padding page, comes on top). ``(num_pages + 1) * page_size``
+        must fit in int32 slot indices.
+    page_size : int
+        Tokens per page.
+
+    Examples
+    --------
+    >>> import kvpool
+    >>> a = kvpool.PageAllocator(4, 16)
+    >>> p = a.alloc(2)
+    >>> p.tolist(), a.num_free
+    ([1, 2], 2)
+    >>> a.free(p)
+    >>> a.num_free
+    4
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None: ...
+    def alloc(self, n: int) -> Int32Array:
+        """Hands out ``n`` pages, one reference each.
+
+        Raises
+        ------
+        OutOfPagesError
+            Fewer than ``n`` pages are free (nothing is allocated).
+        InvalidArgumentError
+            ``n`` is negative.
+        """
+    def try_alloc(self, n: int) -> Int32Array | None:
+        """As ``alloc``, but returns None when fewer than ``n`` pages are free."""
+    def free(self, pages: IntArray) -> None:
+        """Drops one reference on each page; a page returns to the free list at zero.
+
+        Raises
+        ------
+        PageError
+            Padding page, out of range, already free, repeated in ``pages``, or a page whose
+            only remaining reference is the cache's (nothing changes).
+        ArrayTypeError
+            ``pages`` is not a contiguous 1-D int32/int64 numpy array.
+        """
+    def inc_ref(self, pages: IntArray) -> None:
+        """Adds one reference to each (allocated, listed once) page: another holder shares it."""
+    def ref_counts(self) -> npt.NDArray[np.uint32]:
+        """A copy of every page's reference count, index 0 (padding) included."""
+    @property
+    def num_free(self) -> int:
+        """Pages with no reference."""
+    @property
+    def num_used(self) -> int:
+        """Pages with at least one reference (``num_free + num_used == num_pages``)."""
+    @property
+    def num_pages(self) -> int:
+        """Usable pages (ids ``1..num_pages``)."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+
+# --- radix cache ---------------------------------------------------------------------------------
+
+class RadixNode:
+    """An opaque handle to a cache node, from ``match_prefix``; hashable, comparable.
+
+    It stays valid while the node exists (later splits and inserts keep it valid); after the
+    node is evicted or the cache reset, using it raises ``StaleNodeError``.
+    """
+
+class RadixCache:
+    """Radix prefix cache over token ids, at page granularity, sharing ``allocator``.
+
+    Both objects wrap one Rust allocator: requests allocate and free through either. The cache
+    keeps its own reference on every page it stores; ``evict`` drops it. A partial last page is
+    never cached. Equal tokens in different namespaces never match.
+
+    Parameters
+    ----------
+    allocator : PageAllocator
+        The allocator whose pages the cache stores.
+    page_size : int, optional
+        Must equal ``allocator.page_size`` (the default).
+
+    Examples
+    --------
+    >>> import numpy as np, kvpool
+    >>> a = kvpool.PageAllocator(8, 2)
+    >>> c = kvpool.RadixCache(a)
+    >>> tokens = np.array([5, 6, 7, 8, 9], dtype=np.int32)
+    >>> pages = c.alloc(3)
+    >>> c.insert(tokens, pages)  # caches the 2 whole pages; returns tokens already present
+    0
+    >>> a.free(pages)  # the request's references; the cache keeps its own
+    >>> cached, node, n = c.match_prefix(tokens)
+    >>> cached.tolist(), n
+    ([1, 2], 4)
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int | None = None) -> None: ...
+    def match_prefix(
+        self, tokens: IntArray, namespace: Namespace = None
+    ) -> tuple[Int32Array, RadixNode, int]:
+        """Longest cached page-aligned prefix of ``tokens``.
+
+        Returns ``(pages, node, matched_len)``: the page ids (int32), a handle to the node where
+        the match ends (lock it to keep the pages), the matched length in tokens. A match ending
+        inside an edge splits it there. Takes no lock; updates LRU times and hit/miss counters.
+
+        ``namespace`` keys separate trees: None, an int, str, bytes, or (nested) tuples of those,
+        e.g. ``(("lora", adapter_id), ("salt", cache_salt))``. Values are tag-encoded, so
+        ``("lora", 1)`` and ``("salt", "1")`` (or ``1`` and ``"1"``) never collide; values equal
+        in Python (``1 == True``) are one namespace.
+        """
+    def insert(self, tokens: IntArray, pages: IntArray, namespace: Namespace = None) -> int:
+        """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
+
+        ``pages`` has one id per page of ``tokens`` (``len(tokens) // page_size``, or one more
+        for the partial last page, which is not cached). The cache takes a reference on the
+        pages of the part not cached yet; the others stay the caller's. The caller frees its own
+        references as usual.
+
+        Raises
+        ------
+        InvalidArgumentError
+            Mismatched lengths, a token beyond int32.
+        PageError
+            A bad page id, or a page of the new part that is free, repeated or already cached.
+        """
+    def lock(self, node: RadixNode) -> None:
+        """Protects the node and its path to the root from eviction (counted)."""
+    def unlock(self, node: RadixNode) -> None:
+        """Releases one ``lock`` of this very node.
+
+        Raises
+        ------
+        LockError
+            The node holds no lock of its own.
+        StaleNodeError
+            The node is gone.
+        """
+    def evict(self, num_tokens: int) -> int:
+        """Evicts least-recently-used unlocked leaves (then their parents) until ``num_tokens``
+        tokens left the cache or nothing evictable is left; returns the tokens evicted (whole
+        nodes, so possibly more than asked)."""
+    def alloc(self, n: int) -> Int32Array:
+        """Allocates ``n`` pages, evicting LRU entries first when fewer are free.
+
+        Raises
+        ------
+        OutOfPagesError
+            Not even evicting everything evictable would free enough; nothing changed.
+        """
+    def try_alloc(self, n: int) -> Int32Array | None:
+        """As ``alloc``, but returns None instead of raising ``OutOfPagesError``."""
+    def reset(self) -> None:
+        """Empties the cache and zeroes the counters; every handle becomes stale.
+
+        Raises
+        ------
+        CacheBusyError
+            A lock is held.
+        """
+    def check_invariants(self) -> None:
+        """Checks the tree's structure against the allocator (O(tree), for tests)."""
+    def leaf_paths(self, namespace: Namespace = None) -> list[tuple[Int32Array, Int32Array]]:
+        """Every root-to-leaf path of a namespace as (tokens, pages), for tests and debugging."""
+    @property
+    def allocator(self) -> PageAllocator:
+        """The shared allocator."""
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+    @property
+    def evictable_size(self) -> int:
+        """Cached tokens no lock protects."""
+    @property
+    def protected_size(self) -> int:
+        """Cached tokens on locked paths."""
+    @property
+    def total_size(self) -> int:
+        """All cached tokens (``evictable_size + protected_size``)."""
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens ``match_prefix`` served from the cache."""
+    @property
+    def miss_tokens(self) -> int:
+        """Tokens asked of ``match_prefix`` and not served (partial last pages included)."""
+    @property
+    def num_nodes(self) -> int:
+        """Nodes holding tokens."""
+
+# --- batch helpers -------------------------------------------------------------------------------
+
+def page_table(
+    pages: list[IntArray], max_pages: int | None = None, *, out: Int32Array | None = None
+) -> Int32Array:
+    """The ``[B, max_pages]`` int32 page table of a batch, rows padded with page 0.
+
+    ``max_pages`` defaults to the longest row (or ``out``'s width); ``out`` is filled in place.
+    """
+
+def pages_needed(prefix_lens: IntArray, seq_lens: IntArray, page_size: int) -> Int32Array:
+    """New pages per request to grow from ``prefix_lens`` to ``seq_lens`` tokens:
+    ``ceil(seq / page_size) - ceil(prefix / page_size)``."""
+
+def assign_pages(
+    page_table: Int32Array, prefix_lens: IntArray, seq_lens: IntArray, new_pages: IntArray, page_size: int
+) -> None:
+    """Writes ``new_pages`` (batch order, ``pages_needed`` each) into the row entries
+    ``ceil(prefix / page_size) .. ceil(seq / page_size)`` of ``page_table``, in place."""
+
+def extend_slots(
+    page_table: Int32Array,
+    prefix_lens: IntArray,
+    seq_lens: IntArray,
+    page_size: int,
+    *,
+    out: Int32Array | None = None,
+) -> Int32Array:
+    """Slot indices (``page * page_size + offset``) of tokens ``prefix_lens[i]..seq_lens[i]``
+    of every request, concatenated in batch order; the last partial page fills first.
+
+    Examples
+    --------
+    >>> import numpy as np, kvpool
+    >>> table = np.array([[7, 8]], dtype=np.int32)
+    >>> lens = lambda *x: np.array(x, dtype=np.int32)
+    >>> kvpool.extend_slots(table, lens(3), lens(6), 4).tolist()  # page 7 offset 3, then page 8
+    [31, 32, 33]
+    """
+
+def decode_slots(
+    page_table: Int32Array, seq_lens: IntArray, page_size: int, *, out: Int32Array | None = None
+) -> Int32Array:
+    """Slot of each request's last token (position ``seq_lens[i] - 1``) for a decode step."""

@@ -1,8 +1,11 @@
 //! The crate error: one enum per room, composed here, mapped to Python once (`py/error.rs`).
 
+use crate::alloc::AllocError;
+use crate::batch::BatchError;
 use crate::dtype::DtypeError;
 use crate::layout::LayoutError;
 use crate::model::ModelError;
+use crate::radix::RadixError;
 use crate::sizing::SizingError;
 
 /// Any error of the kvpool core.
@@ -16,6 +19,12 @@ pub enum Error {
     Layout(#[from] LayoutError),
     #[error(transparent)]
     Sizing(#[from] SizingError),
+    #[error(transparent)]
+    Alloc(#[from] AllocError),
+    #[error(transparent)]
+    Radix(#[from] RadixError),
+    #[error(transparent)]
+    Batch(#[from] BatchError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

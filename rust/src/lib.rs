@@ -2,17 +2,23 @@
 //! allocator and the radix prefix cache. Usable without Python; the PyO3 bindings live in `py`
 //! behind the `python` feature.
 
+pub mod alloc;
+pub mod batch;
 pub mod dtype;
 pub mod error;
 pub mod layout;
 pub mod model;
+pub mod radix;
 pub mod sizing;
 
 #[cfg(feature = "python")]
 mod py;
 
+pub use alloc::{AllocError, PageAllocator, PageId};
+pub use batch::BatchError;
 pub use dtype::{ElemDtype, KvDtype, ScaleKind};
 pub use error::{Error, Result};
 pub use layout::{BufferTemplate, Layout, LayoutConfig, Nvfp4Recipe, Role, Tensor, PADDING_PAGE};
 pub use model::{LayerKind, LinearState, Mla, ModelGeometry};
+pub use radix::{Handle, Match, Namespace, NodeId, RadixCache, RadixError};
 pub use sizing::{capacity, kv_budget, Plan};

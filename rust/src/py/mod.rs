@@ -2,12 +2,19 @@
 
 use pyo3::prelude::*;
 
+mod alloc;
+mod array;
+mod batch;
 mod error;
+mod radix;
 mod sizing;
 
 #[pymodule(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     error::register(m)?;
     sizing::register(m)?;
+    alloc::register(m)?;
+    radix::register(m)?;
+    batch::register(m)?;
     Ok(())
 }

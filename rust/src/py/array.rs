@@ -1,0 +1,107 @@
+//! numpy in and out for the bookkeeping rooms: 1-D int32/int64 arrays borrowed without copies
+//! (int64 is narrowed once where the core works in int32), int32 results moved into numpy.
+
+use std::borrow::Cow;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::error::{array_type_error, to_py};
+use crate::alloc::{self, PageId};
+use crate::radix;
+
+/// A borrowed 1-D integer array.
+pub(crate) enum Ints<'py> {
+    I32(PyReadonlyArray1<'py, i32>),
+    I64(PyReadonlyArray1<'py, i64>),
+}
+
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    match (obj.getattr("dtype"), obj.getattr("ndim")) {
+        (Ok(d), Ok(n)) => format!("an array of dtype `{d}` with {n} dimension(s)"),
+        _ => format!("`{}`", obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())),
+    }
+}
+
+/// Borrows `obj` as a 1-D int32 or int64 numpy array.
+pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
+    let busy = |e: numpy::BorrowError| array_type_error(obj.py(), format!("`{name}`: {e}"));
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        return Ok(Ints::I32(a.try_readonly().map_err(busy)?));
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        return Ok(Ints::I64(a.try_readonly().map_err(busy)?));
+    }
+    Err(array_type_error(
+        obj.py(),
+        format!("`{name}` must be a 1-D numpy array of int32 or int64, got {}", describe(obj)),
+    ))
+}
+
+fn contiguous(py: Python<'_>, name: &str) -> PyErr {
+    array_type_error(py, format!("`{name}` must be C-contiguous; pass np.ascontiguousarray(...)"))
+}
+
+impl Ints<'_> {
+    fn py(&self) -> Python<'_> {
+        match self {
+            Self::I32(a) => a.py(),
+            Self::I64(a) => a.py(),
+        }
+    }
+
+    /// Token ids as int32 (borrowed for int32 input).
+    pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
+        match self {
+            Self::I32(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I64(a) => {
+                let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
+                radix::narrow_tokens(s).map(Cow::Owned).map_err(to_py)
+            }
+        }
+    }
+
+    /// Page ids as int32 (borrowed for int32 input).
+    pub(crate) fn pages(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
+        match self {
+            Self::I32(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I64(a) => {
+                let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
+                alloc::narrow_pages(s).map(Cow::Owned).map_err(to_py)
+            }
+        }
+    }
+
+    /// Lengths as int64 (borrowed for int64 input).
+    pub(crate) fn lens(&self, name: &str) -> PyResult<Cow<'_, [i64]>> {
+        match self {
+            Self::I64(a) => a.as_slice().map(Cow::Borrowed).map_err(|_| contiguous(self.py(), name)),
+            Self::I32(a) => {
+                let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
+                Ok(Cow::Owned(s.iter().map(|&v| i64::from(v)).collect()))
+            }
+        }
+    }
+}
+
+/// A C-contiguous 2-D int32 array (a page table), as (array, rows, cols).
+pub(crate) fn table<'a, 'py>(obj: &'a Bound<'py, PyAny>, name: &str) -> PyResult<(&'a Bound<'py, PyArray2<i32>>, usize, usize)> {
+    let a = obj.cast::<PyArray2<i32>>().map_err(|_| {
+        array_type_error(obj.py(), format!("`{name}` must be a 2-D numpy int32 array, got {}", describe(obj)))
+    })?;
+    if !a.is_c_contiguous() {
+        return Err(contiguous(obj.py(), name));
+    }
+    let shape = a.shape();
+    Ok((a, shape[0], shape[1]))
+}
+
+/// A non-negative count (`n`, `num_tokens`, `page_size`): negative values raise ValueError.
+pub(crate) fn count(what: &'static str, value: i64) -> PyResult<usize> {
+    alloc::count(what, value).map_err(to_py)
+}
+
+pub(crate) fn page_array<'py>(py: Python<'py>, pages: &[PageId]) -> Bound<'py, PyArray1<i32>> {
+    let v: Vec<i32> = pages.iter().map(|p| p.as_i32()).collect();
+    PyArray1::from_vec(py, v)
+}

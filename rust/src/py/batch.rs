@@ -1,0 +1,139 @@
+//! Bindings of `batch`: page table and slot indices, numpy int32 out (or into caller buffers).
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+
+use super::array::{count, ints, table};
+use super::error::{array_type_error, to_py};
+use crate::batch;
+
+fn out1<'py>(py: Python<'py>, out: Option<Bound<'py, PyAny>>, len: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    match out {
+        None => Ok(PyArray1::zeros(py, len, false)),
+        Some(o) => o
+            .cast_into::<PyArray1<i32>>()
+            .map_err(|e| array_type_error(py, format!("`out` must be a 1-D numpy int32 array, got {}", e.into_inner().get_type()))),
+    }
+}
+
+fn write1(out: &Bound<'_, PyArray1<i32>>, f: impl FnOnce(&mut [i32]) -> Result<(), batch::BatchError>) -> PyResult<()> {
+    let mut w = out.try_readwrite().map_err(|e| array_type_error(out.py(), format!("`out`: {e}")))?;
+    let s = w.as_slice_mut().map_err(|_| array_type_error(out.py(), "`out` must be C-contiguous".into()))?;
+    f(s).map_err(to_py)
+}
+
+/// `[B, max_pages]` int32 page table from per-request page arrays, padded with page 0.
+#[pyfunction]
+#[pyo3(signature = (pages, max_pages=None, *, out=None))]
+fn page_table<'py>(
+    py: Python<'py>,
+    pages: Vec<Bound<'py, PyAny>>,
+    max_pages: Option<i64>,
+    out: Option<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let arrs = pages.iter().map(|p| ints(p, "pages[i]")).collect::<PyResult<Vec<_>>>()?;
+    let rows = arrs.iter().map(|a| a.pages("pages[i]")).collect::<PyResult<Vec<_>>>()?;
+    let refs: Vec<&[i32]> = rows.iter().map(|r| &r[..]).collect();
+    let out = match out {
+        Some(o) => table(&o, "out")?.0.clone(),
+        None => {
+            let width = match max_pages {
+                Some(m) => count("max_pages", m)?,
+                None => refs.iter().map(|r| r.len()).max().unwrap_or(0),
+            };
+            PyArray2::zeros(py, [refs.len(), width], false)
+        }
+    };
+    let width = out.dims()[1];
+    if let Some(m) = max_pages {
+        if count("max_pages", m)? != width {
+            return Err(to_py(batch::BatchError::Length { what: "out columns (max_pages)", expected: m as usize, got: width }));
+        }
+    }
+    {
+        let mut w = out.try_readwrite().map_err(|e| array_type_error(py, format!("`out`: {e}")))?;
+        let s = w.as_slice_mut().map_err(|_| array_type_error(py, "`out` must be C-contiguous".into()))?;
+        batch::page_table(&refs, width, s).map_err(to_py)?;
+    }
+    Ok(out)
+}
+
+/// New pages per request to grow from `prefix_lens` to `seq_lens` tokens.
+#[pyfunction]
+fn pages_needed<'py>(py: Python<'py>, prefix_lens: &Bound<'py, PyAny>, seq_lens: &Bound<'py, PyAny>, page_size: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let (p, s) = (ints(prefix_lens, "prefix_lens")?, ints(seq_lens, "seq_lens")?);
+    let v = batch::pages_needed(&p.lens("prefix_lens")?, &s.lens("seq_lens")?, count("page_size", page_size)?).map_err(to_py)?;
+    Ok(PyArray1::from_vec(py, v))
+}
+
+/// Writes `new_pages` into the page-table entries each request grows into (in place).
+#[pyfunction]
+fn assign_pages(
+    page_table: &Bound<'_, PyAny>,
+    prefix_lens: &Bound<'_, PyAny>,
+    seq_lens: &Bound<'_, PyAny>,
+    new_pages: &Bound<'_, PyAny>,
+    page_size: i64,
+) -> PyResult<()> {
+    let py = page_table.py();
+    let (t, _, width) = table(page_table, "page_table")?;
+    let (p, s, n) = (ints(prefix_lens, "prefix_lens")?, ints(seq_lens, "seq_lens")?, ints(new_pages, "new_pages")?);
+    let (p, s, n) = (p.lens("prefix_lens")?, s.lens("seq_lens")?, n.pages("new_pages")?);
+    let ps = count("page_size", page_size)?;
+    let mut w = t.try_readwrite().map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = w.as_slice_mut().map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    batch::assign_pages(tab, width, &p, &s, &n, ps).map_err(to_py)
+}
+
+/// Slot indices of tokens `prefix_lens[i]..seq_lens[i]` of every request, in batch order.
+#[pyfunction]
+#[pyo3(signature = (page_table, prefix_lens, seq_lens, page_size, *, out=None))]
+fn extend_slots<'py>(
+    py: Python<'py>,
+    page_table: &Bound<'py, PyAny>,
+    prefix_lens: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    page_size: i64,
+    out: Option<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let (t, _, width) = table(page_table, "page_table")?;
+    let (p, s) = (ints(prefix_lens, "prefix_lens")?, ints(seq_lens, "seq_lens")?);
+    let (p, s) = (p.lens("prefix_lens")?, s.lens("seq_lens")?);
+    let ps = count("page_size", page_size)?;
+    let total = batch::num_new_tokens(&p, &s).map_err(to_py)?;
+    let out = out1(py, out, total)?;
+    let r = t.try_readonly().map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = r.as_slice().map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    write1(&out, |o| batch::extend_slots(tab, width, &p, &s, ps, o))?;
+    Ok(out)
+}
+
+/// Slot of each request's last token (position `seq_lens[i] - 1`), for a decode step.
+#[pyfunction]
+#[pyo3(signature = (page_table, seq_lens, page_size, *, out=None))]
+fn decode_slots<'py>(
+    py: Python<'py>,
+    page_table: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    page_size: i64,
+    out: Option<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let (t, rows, width) = table(page_table, "page_table")?;
+    let s = ints(seq_lens, "seq_lens")?;
+    let s = s.lens("seq_lens")?;
+    let ps = count("page_size", page_size)?;
+    let out = out1(py, out, rows)?;
+    let r = t.try_readonly().map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = r.as_slice().map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    write1(&out, |o| batch::decode_slots(tab, width, &s, ps, o))?;
+    Ok(out)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(page_table, m)?)?;
+    m.add_function(wrap_pyfunction!(pages_needed, m)?)?;
+    m.add_function(wrap_pyfunction!(assign_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(extend_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_slots, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! Bindings of `radix`: `RadixCache` and its node handles, namespaces from Python values.
+//!
+//! Sharing: `RadixCache(allocator)` keeps a clone of the allocator's `Arc<Mutex<PageAllocator>>`,
+//! so both Python objects see one allocator (requests allocate and free through either). The tree
+//! has its own mutex; calls that touch both lock the cache first, then the allocator.
+
+use std::sync::Mutex;
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyString, PyTuple};
+
+use super::alloc::{guard, PyPageAllocator, Shared};
+use super::array::{count, ints, page_array};
+use super::error::{to_py, InvalidArgumentError};
+use crate::alloc::AllocError;
+use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
+
+/// A handle to a radix node, from `match_prefix`; pass it to `lock` / `unlock`.
+#[pyclass(name = "RadixNode", module = "kvpool._core", frozen, eq, hash)]
+#[derive(PartialEq, Eq, Hash)]
+pub(crate) struct PyRadixNode(Handle);
+
+#[pymethods]
+impl PyRadixNode {
+    fn __repr__(&self) -> String {
+        format!("RadixNode({})", self.0.node().get())
+    }
+}
+
+const MAX_DEPTH: usize = 16;
+
+fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<()> {
+    if depth > MAX_DEPTH {
+        return Err(InvalidArgumentError::new_err(format!("`namespace` nests tuples deeper than {MAX_DEPTH}")));
+    }
+    if obj.is_none() {
+        b.none();
+    } else if let Ok(t) = obj.cast::<PyTuple>() {
+        b.tuple(t.len());
+        for item in t.iter() {
+            encode(b, &item, depth + 1)?;
+        }
+    } else if let Ok(s) = obj.cast::<PyString>() {
+        b.str(&s.to_cow()?);
+    } else if let Ok(by) = obj.cast::<PyBytes>() {
+        b.bytes(by.as_bytes());
+    } else if let Ok(i) = obj.cast::<PyInt>() {
+        int(b, i)?;
+    } else if let Ok(i) = obj.call_method0("__index__").and_then(|v| v.cast_into::<PyInt>().map_err(PyErr::from)) {
+        int(b, &i)?; // numpy integers
+    } else {
+        let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        return Err(InvalidArgumentError::new_err(format!(
+            "`namespace` items must be None, int, str, bytes or tuples of those; got `{ty}`"
+        )));
+    }
+    Ok(())
+}
+
+fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
+    if let Ok(v) = i.extract::<i64>() {
+        b.int(v);
+    } else {
+        let bits: usize = i.call_method0("bit_length")?.extract()?;
+        let kw = [("signed", true)].into_py_dict(i.py())?;
+        let bytes = i.call_method("to_bytes", (bits / 8 + 1, "little"), Some(&kw))?;
+        b.int_le(bytes.cast::<PyBytes>()?.as_bytes());
+    }
+    Ok(())
+}
+
+
+/// Python value -> namespace key: None, int, str, bytes, or (nested) tuples, tag-encoded.
+fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
+    match obj {
+        None => Ok(Namespace::none()),
+        Some(o) => {
+            let mut b = Namespace::builder();
+            encode(&mut b, o, 0)?;
+            Ok(b.finish())
+        }
+    }
+}
+
+/// Radix prefix cache over a `PageAllocator` (shared with it).
+#[pyclass(name = "RadixCache", module = "kvpool._core", frozen)]
+pub(crate) struct PyRadixCache {
+    alloc: Shared,
+    allocator: Py<PyPageAllocator>,
+    cache: Mutex<RadixCache>,
+}
+
+type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
+
+#[pymethods]
+impl PyRadixCache {
+    #[new]
+    #[pyo3(signature = (allocator, page_size=None))]
+    fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<i64>) -> PyResult<Self> {
+        let alloc = allocator.get().inner.clone();
+        let cache = {
+            let a = guard(&alloc);
+            let ps = page_size.map(|p| count("page_size", p)).transpose()?.unwrap_or(a.page_size());
+            RadixCache::new(&a, ps).map_err(to_py)?
+        };
+        Ok(Self { alloc, allocator: allocator.unbind(), cache: Mutex::new(cache) })
+    }
+
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix<'py>(&self, py: Python<'py>, tokens: &Bound<'py, PyAny>, namespace: Option<&Bound<'py, PyAny>>) -> PyResult<MatchTuple<'py>> {
+        let ns = self::namespace(namespace)?;
+        let arr = ints(tokens, "tokens")?;
+        let m = guard(&self.cache).match_prefix(&ns, &arr.tokens("tokens")?);
+        Ok((page_array(py, &m.pages), PyRadixNode(m.node), m.len))
+    }
+
+    #[pyo3(signature = (tokens, pages, namespace=None))]
+    fn insert(&self, tokens: &Bound<'_, PyAny>, pages: &Bound<'_, PyAny>, namespace: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let ns = self::namespace(namespace)?;
+        let (t, p) = (ints(tokens, "tokens")?, ints(pages, "pages")?);
+        let mut c = guard(&self.cache);
+        c.insert(&mut guard(&self.alloc), &ns, &t.tokens("tokens")?, &p.pages("pages")?).map_err(to_py)
+    }
+
+    fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
+        guard(&self.cache).lock(node.0).map_err(to_py)
+    }
+
+    fn unlock(&self, node: &PyRadixNode) -> PyResult<()> {
+        guard(&self.cache).unlock(node.0).map_err(to_py)
+    }
+
+    fn evict(&self, num_tokens: i64) -> PyResult<usize> {
+        let n = count("num_tokens", num_tokens)?;
+        let mut c = guard(&self.cache);
+        c.evict(&mut guard(&self.alloc), n).map_err(to_py)
+    }
+
+    fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = count("n", n)?;
+        let mut c = guard(&self.cache);
+        let pages = c.alloc(&mut guard(&self.alloc), n).map_err(to_py)?;
+        Ok(page_array(py, &pages))
+    }
+
+    fn try_alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let n = count("n", n)?;
+        let mut c = guard(&self.cache);
+        match c.alloc(&mut guard(&self.alloc), n) {
+            Ok(pages) => Ok(Some(page_array(py, &pages))),
+            Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+
+    fn reset(&self) -> PyResult<()> {
+        let mut c = guard(&self.cache);
+        c.reset(&mut guard(&self.alloc)).map_err(to_py)
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        let c = guard(&self.cache);
+        c.check_invariants(&guard(&self.alloc)).map_err(to_py)
+    }
+
+    #[pyo3(signature = (namespace=None))]
+    fn leaf_paths<'py>(&self, py: Python<'py>, namespace: Option<&Bound<'py, PyAny>>) -> PyResult<Vec<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)>> {
+        let ns = self::namespace(namespace)?;
+        let paths = guard(&self.cache).leaf_paths(&ns);
+        Ok(paths.into_iter().map(|(t, p)| (PyArray1::from_vec(py, t), page_array(py, &p))).collect())
+    }
+
+    #[getter]
+    fn allocator(&self, py: Python<'_>) -> Py<PyPageAllocator> {
+        self.allocator.clone_ref(py)
+    }
+    #[getter]
+    fn page_size(&self) -> usize {
+        guard(&self.cache).page_size()
+    }
+    #[getter]
+    fn evictable_size(&self) -> usize {
+        guard(&self.cache).evictable_size()
+    }
+    #[getter]
+    fn protected_size(&self) -> usize {
+        guard(&self.cache).protected_size()
+    }
+    #[getter]
+    fn total_size(&self) -> usize {
+        guard(&self.cache).total_size()
+    }
+    #[getter]
+    fn hit_tokens(&self) -> u64 {
+        guard(&self.cache).hit_tokens()
+    }
+    #[getter]
+    fn miss_tokens(&self) -> u64 {
+        guard(&self.cache).miss_tokens()
+    }
+    #[getter]
+    fn num_nodes(&self) -> usize {
+        guard(&self.cache).num_nodes()
+    }
+
+    fn __repr__(&self) -> String {
+        let c = guard(&self.cache);
+        format!("RadixCache(page_size={}, total_size={}, protected_size={})", c.page_size(), c.total_size(), c.protected_size())
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRadixNode>()?;
+    m.add_class::<PyRadixCache>()
+}

@@ -1,0 +1,1082 @@
+//! Radix prefix cache: token keys at page granularity, lock counts, LRU eviction, hit statistics.
+//!
+//! Keys are token ids matched and stored in whole pages: a partial last page is never cached.
+//! Every edge of the tree holds a multiple of `page_size` tokens and one page id per `page_size`
+//! tokens. Children are keyed by their first page of tokens.
+//!
+//! Ownership follows DESIGN.md: the tree takes its own reference on each page it stores (and only
+//! on pages of the part that was not cached yet); eviction drops that reference, so a page a
+//! request still holds is never reused. Namespaces (LoRA adapter, cache salt, ...) are separate
+//! trees under one super-root: equal tokens in different namespaces never match.
+//!
+//! Handles name a node by slot, generation and cache epoch, so a handle to an evicted node (or one
+//! from before `reset`, or from another cache) is detected instead of corrupting the tree. A match
+//! or insert that ends inside an edge splits it there; the deeper half keeps the old slot, so
+//! handles stay valid when paths are split or extended.
+//!
+//! Every operation validates its input before changing anything: on error nothing changed.
+//!
+//! ```
+//! use kvpool::alloc::PageAllocator;
+//! use kvpool::radix::{Namespace, RadixCache};
+//! let mut a = PageAllocator::new(8, 1).unwrap();
+//! let mut c = RadixCache::new(&a, 1).unwrap();
+//! let ns = Namespace::none();
+//! let pages = a.alloc(3).unwrap();
+//! assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3], &pages).unwrap(), 0);
+//! a.free(&pages).unwrap(); // the tree keeps its own reference
+//! let m = c.match_prefix(&ns, &[1, 2, 9]);
+//! assert_eq!((m.len, m.pages.len()), (2, 2));
+//! ```
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage, Use};
+
+/// Errors of the `radix` room.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RadixError {
+    #[error(transparent)]
+    Page(#[from] AllocError),
+    #[error("this radix cache was built over another page allocator")]
+    WrongAllocator,
+    #[error("cache `page_size` {cache} differs from the allocator's page_size {allocator}")]
+    PageSizeMismatch { cache: usize, allocator: usize },
+    #[error("`pages` has {pages} entries, but {tokens} tokens at page_size {page_size} need {full} (whole pages) or {ceil} (with the partial last page)")]
+    LengthMismatch { tokens: usize, pages: usize, page_size: usize, full: usize, ceil: usize },
+    #[error("token `{value}` at index {index} does not fit in int32")]
+    TokenOutOfRange { index: usize, value: i64 },
+    #[error("stale node handle `{node}`: the node was evicted, the cache was reset, or the handle belongs to another cache")]
+    StaleHandle { node: u32 },
+    #[error("unlock of node `{node}`, which holds no lock (each unlock must match one lock of the same handle)")]
+    NotLocked { node: u32 },
+    #[error("lock count of node `{node}` would overflow")]
+    LockOverflow { node: u32 },
+    #[error("cannot reset: {protected} tokens are locked ({locks} locks held); unlock them first")]
+    Locked { protected: usize, locks: u64 },
+    #[error("page `{page}` is already stored in the cache under another key")]
+    PageInTree { page: u32 },
+    #[error("radix cache invariant broken: {0}")]
+    Corrupt(String),
+}
+
+/// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
+///
+/// # Errors
+/// [`RadixError::TokenOutOfRange`] naming the first value that does not fit.
+pub fn narrow_tokens(tokens: &[i64]) -> Result<Vec<i32>, RadixError> {
+    tokens
+        .iter()
+        .enumerate()
+        .map(|(index, &value)| i32::try_from(value).map_err(|_| RadixError::TokenOutOfRange { index, value }))
+        .collect()
+}
+
+/// A cache namespace: a canonical, tagged byte encoding of the caller's key (adapter id, salt, ...).
+///
+/// Each value is written as a tag byte, a length and its bytes, so the encoding is injective:
+/// `("lora", 1)` and `("salt", "1")` (or `1` and `"1"`) can never produce the same key, and no
+/// hashing is involved (no collisions). The default namespace is [`Namespace::none`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Namespace(Vec<u8>);
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Self::none()
+    }
+}
+
+impl Namespace {
+    /// The namespace of requests without adapter or salt (Python `namespace=None`).
+    pub fn none() -> Self {
+        let mut b = NamespaceBuilder::new();
+        b.none();
+        b.finish()
+    }
+    pub fn builder() -> NamespaceBuilder {
+        NamespaceBuilder::new()
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Writes a namespace value by value; a tuple announces its length, then its items follow.
+#[derive(Debug, Default)]
+pub struct NamespaceBuilder(Vec<u8>);
+
+impl NamespaceBuilder {
+    pub fn new() -> Self {
+        Self(Vec::with_capacity(32))
+    }
+    fn item(&mut self, tag: u8, payload: &[u8]) -> &mut Self {
+        self.0.push(tag);
+        self.0.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        self.0.extend_from_slice(payload);
+        self
+    }
+    pub fn none(&mut self) -> &mut Self {
+        self.item(b'N', &[])
+    }
+    pub fn int(&mut self, v: i64) -> &mut Self {
+        self.int_le(&v.to_le_bytes())
+    }
+    /// An integer of any width as two's-complement little-endian bytes; written canonically (no
+    /// redundant sign bytes), so one value always gives one key whatever width it came in.
+    pub fn int_le(&mut self, le: &[u8]) -> &mut Self {
+        let mut n = le.len();
+        while n > 1 {
+            let (last, prev) = (le[n - 1], le[n - 2]);
+            if (last == 0 && prev & 0x80 == 0) || (last == 0xFF && prev & 0x80 != 0) {
+                n -= 1;
+            } else {
+                break;
+            }
+        }
+        let canon: &[u8] = if le.is_empty() { &[0] } else { &le[..n] };
+        self.item(b'I', canon)
+    }
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        self.item(b'S', s.as_bytes())
+    }
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.item(b'B', b)
+    }
+    /// Starts a tuple of `len` items (written next).
+    pub fn tuple(&mut self, len: usize) -> &mut Self {
+        self.item(b'T', &(len as u64).to_le_bytes())
+    }
+    pub fn finish(self) -> Namespace {
+        Namespace(self.0)
+    }
+}
+
+/// A node slot of the tree (internal index; callers hold [`Handle`]s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(u32);
+
+impl NodeId {
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// A checked reference to a node: slot, generation of the slot, and the cache epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Handle {
+    node: NodeId,
+    generation: u32,
+    epoch: u64,
+}
+
+impl Handle {
+    pub const fn node(self) -> NodeId {
+        self.node
+    }
+}
+
+/// Result of [`RadixCache::match_prefix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Match {
+    /// Page ids of the longest cached page-aligned prefix.
+    pub pages: Vec<PageId>,
+    /// The node where the match ends (the super-root for an empty match).
+    pub node: Handle,
+    /// Matched length in tokens (a multiple of the page size).
+    pub len: usize,
+}
+
+const NONE: u32 = u32::MAX;
+/// The super-root: parent of nothing, handle of every empty match, never evicted.
+const SUPER: u32 = 0;
+
+#[derive(Debug, Default)]
+struct Node {
+    parent: u32,
+    key: Vec<i32>,
+    pages: Vec<PageId>,
+    children: HashMap<Box<[i32]>, u32>,
+    /// Locks on paths through this node (its own and its descendants').
+    lock: u32,
+    /// Locks taken through a handle to this very node (what `unlock` may release).
+    own_locks: u32,
+    last_access: u64,
+    generation: u32,
+    live: bool,
+    in_lru: bool,
+    /// The namespace key, for namespace roots only.
+    ns: Option<Box<[u8]>>,
+}
+
+enum Goal {
+    Tokens(usize),
+    FreePages(usize),
+}
+
+struct Plan {
+    order: Vec<u32>,
+    tokens: usize,
+    freed_pages: usize,
+}
+
+/// The radix prefix cache. Works on a [`PageAllocator`] passed to each call that touches pages
+/// (the allocator never calls into the cache); the cache checks it is always the same allocator.
+#[derive(Debug)]
+pub struct RadixCache {
+    page_size: usize,
+    alloc_id: u64,
+    epoch: u64,
+    nodes: Vec<Node>,
+    free_slots: Vec<u32>,
+    roots: HashMap<Box<[u8]>, u32>,
+    /// Unlocked leaves by (last access, slot): the eviction order.
+    lru: BTreeSet<(u64, u32)>,
+    clock: u64,
+    evictable: usize,
+    protected: usize,
+    hit: u64,
+    miss: u64,
+}
+
+fn common_prefix(a: &[i32], b: &[i32]) -> usize {
+    let n = a.len().min(b.len());
+    // A whole match is the common case: one memcmp. Otherwise narrow down in shrinking chunks.
+    if a[..n] == b[..n] {
+        return n;
+    }
+    let mut i = 0;
+    for chunk in [512, 64, 8] {
+        while i + chunk <= n && a[i..i + chunk] == b[i..i + chunk] {
+            i += chunk;
+        }
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+impl RadixCache {
+    /// An empty cache over `alloc`, whose page size must equal `page_size`.
+    ///
+    /// # Errors
+    /// [`RadixError::PageSizeMismatch`].
+    pub fn new(alloc: &PageAllocator, page_size: usize) -> Result<Self, RadixError> {
+        if page_size != alloc.page_size() {
+            return Err(RadixError::PageSizeMismatch { cache: page_size, allocator: alloc.page_size() });
+        }
+        Ok(Self {
+            page_size,
+            alloc_id: alloc.id(),
+            epoch: next_id(),
+            nodes: vec![Node { parent: NONE, live: true, ..Node::default() }],
+            free_slots: Vec::new(),
+            roots: HashMap::new(),
+            lru: BTreeSet::new(),
+            clock: 0,
+            evictable: 0,
+            protected: 0,
+            hit: 0,
+            miss: 0,
+        })
+    }
+
+    pub const fn page_size(&self) -> usize {
+        self.page_size
+    }
+    /// Cached tokens no lock protects.
+    pub const fn evictable_size(&self) -> usize {
+        self.evictable
+    }
+    /// Cached tokens on locked paths.
+    pub const fn protected_size(&self) -> usize {
+        self.protected
+    }
+    /// All cached tokens (`evictable + protected`).
+    pub const fn total_size(&self) -> usize {
+        self.evictable + self.protected
+    }
+    /// Tokens served from the cache by `match_prefix` so far.
+    pub const fn hit_tokens(&self) -> u64 {
+        self.hit
+    }
+    /// Tokens asked of `match_prefix` and not served (partial last pages included).
+    pub const fn miss_tokens(&self) -> u64 {
+        self.miss
+    }
+    /// Live nodes holding tokens.
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.iter().filter(|n| n.live && !n.key.is_empty()).count()
+    }
+
+    fn check_alloc(&self, alloc: &PageAllocator) -> Result<(), RadixError> {
+        if alloc.id() == self.alloc_id {
+            Ok(())
+        } else {
+            Err(RadixError::WrongAllocator)
+        }
+    }
+
+    fn handle(&self, id: u32) -> Handle {
+        Handle { node: NodeId(id), generation: self.nodes[id as usize].generation, epoch: self.epoch }
+    }
+
+    fn resolve(&self, h: Handle) -> Result<u32, RadixError> {
+        let id = h.node.0;
+        match self.nodes.get(id as usize) {
+            Some(n) if n.live && n.generation == h.generation && h.epoch == self.epoch => Ok(id),
+            _ => Err(RadixError::StaleHandle { node: id }),
+        }
+    }
+
+    fn node(&self, id: u32) -> &Node {
+        &self.nodes[id as usize]
+    }
+    fn node_mut(&mut self, id: u32) -> &mut Node {
+        &mut self.nodes[id as usize]
+    }
+
+    fn new_node(&mut self, mut node: Node) -> u32 {
+        node.live = true;
+        if let Some(slot) = self.free_slots.pop() {
+            node.generation = self.nodes[slot as usize].generation;
+            self.nodes[slot as usize] = node;
+            slot
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        }
+    }
+
+    fn free_node(&mut self, id: u32) {
+        let generation = self.node(id).generation.wrapping_add(1);
+        self.nodes[id as usize] = Node { generation, parent: NONE, ..Node::default() };
+        self.free_slots.push(id);
+    }
+
+    fn is_evictable_leaf(&self, id: u32) -> bool {
+        let n = self.node(id);
+        n.live && !n.key.is_empty() && n.children.is_empty() && n.lock == 0
+    }
+
+    /// Puts `id` in or out of the LRU set after its children, lock or access time changed.
+    fn refresh(&mut self, id: u32) {
+        let want = self.is_evictable_leaf(id);
+        let n = &mut self.nodes[id as usize];
+        if n.in_lru {
+            self.lru.remove(&(n.last_access, id));
+        }
+        n.in_lru = want;
+        if want {
+            self.lru.insert((n.last_access, id));
+        }
+    }
+
+    fn touch(&mut self, id: u32, clock: u64) {
+        let n = &mut self.nodes[id as usize];
+        if n.last_access == clock {
+            return;
+        }
+        if n.in_lru {
+            self.lru.remove(&(n.last_access, id));
+            self.lru.insert((clock, id));
+        }
+        n.last_access = clock;
+    }
+
+    /// Splits `child` after `m` tokens (a positive multiple of the page size below its length).
+    /// The new node takes the first half; `child` keeps its slot (and its handles) for the rest.
+    fn split(&mut self, child: u32, m: usize) -> u32 {
+        let ps = self.page_size;
+        let c = &mut self.nodes[child as usize];
+        let rest_key = c.key.split_off(m);
+        let head_key = std::mem::replace(&mut c.key, rest_key);
+        let rest_pages = c.pages.split_off(m / ps);
+        let head_pages = std::mem::replace(&mut c.pages, rest_pages);
+        let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
+        let child_first: Box<[i32]> = c.key[..ps].into();
+        let mut children = HashMap::with_capacity(1);
+        children.insert(child_first, child);
+        let first: Box<[i32]> = head_key[..ps].into();
+        let mid = self.new_node(Node {
+            parent,
+            key: head_key,
+            pages: head_pages,
+            children,
+            lock,
+            last_access,
+            ..Node::default()
+        });
+        self.node_mut(child).parent = mid;
+        if let Some(slot) = self.node_mut(parent).children.get_mut(&first) {
+            *slot = mid;
+        }
+        mid
+    }
+
+    /// Longest cached page-aligned prefix of `tokens` in namespace `ns`. Splits the edge where the
+    /// match ends inside it, updates access times and the hit/miss counters. Takes no lock.
+    pub fn match_prefix(&mut self, ns: &Namespace, tokens: &[i32]) -> Match {
+        self.clock += 1;
+        let clock = self.clock;
+        let ps = self.page_size;
+        let aligned = tokens.len() / ps * ps;
+        let mut pages = Vec::new();
+        let mut node = SUPER;
+        let mut pos = 0;
+        if let Some(&root) = self.roots.get(ns.as_bytes()) {
+            let mut cur = root;
+            while pos < aligned {
+                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else { break };
+                let c = self.node(child);
+                let m = common_prefix(&c.key, &tokens[pos..aligned]) / ps * ps;
+                let whole = m == c.key.len();
+                pages.extend_from_slice(&c.pages[..m / ps]);
+                pos += m;
+                cur = if whole { child } else { self.split(child, m) };
+                self.touch(cur, clock);
+                if !whole {
+                    break;
+                }
+            }
+            if pos > 0 {
+                node = cur;
+            }
+        }
+        self.hit += pos as u64;
+        self.miss += (tokens.len() - pos) as u64;
+        Match { pages, node: self.handle(node), len: pos }
+    }
+
+    /// Caches the page-aligned part of `tokens` in namespace `ns`, `pages` holding one id per page
+    /// (whole pages only, or with the partial last page, which is not cached). The tree takes one
+    /// reference on the pages of the part not cached yet; the others stay the caller's.
+    /// Returns the number of tokens that were already cached.
+    ///
+    /// Only the pages the tree takes are looked at (the others are the caller's business).
+    ///
+    /// # Errors
+    /// [`RadixError::LengthMismatch`]; a page the tree would take that is the padding page, out of
+    /// range, not allocated, repeated, or already in the tree. Nothing changes then.
+    pub fn insert<P: RawPage>(
+        &mut self,
+        alloc: &mut PageAllocator,
+        ns: &Namespace,
+        tokens: &[i32],
+        pages: &[P],
+    ) -> Result<usize, RadixError> {
+        self.check_alloc(alloc)?;
+        let ps = self.page_size;
+        let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
+        if pages.len() != full && pages.len() != ceil {
+            return Err(RadixError::LengthMismatch { tokens: tokens.len(), pages: pages.len(), page_size: ps, full, ceil });
+        }
+        let aligned = full * ps;
+        // Read-only walk: whole nodes on the path, then where the walk stops inside an edge.
+        let root = self.roots.get(ns.as_bytes()).copied();
+        let mut path = Vec::new();
+        let mut partial = None;
+        let mut pos = 0;
+        if let Some(root) = root {
+            let mut cur = root;
+            while pos < aligned {
+                let Some(&child) = self.node(cur).children.get(&tokens[pos..pos + ps]) else { break };
+                let key = &self.node(child).key;
+                let m = common_prefix(key, &tokens[pos..aligned]) / ps * ps;
+                pos += m;
+                if m < key.len() {
+                    partial = Some((child, m));
+                    break;
+                }
+                path.push(child);
+                cur = child;
+            }
+        }
+        let new: Vec<PageId> = if pos < aligned {
+            let raw = &pages[pos / ps..full];
+            alloc.check_held(raw, Use::Share)?;
+            raw.iter().filter_map(|&p| alloc.page(p).ok()).collect()
+        } else {
+            Vec::new()
+        };
+        if let Some(p) = new.iter().find(|&&p| alloc.is_cached(p)) {
+            return Err(RadixError::PageInTree { page: p.get() });
+        }
+        // Validated: from here on nothing fails.
+        self.clock += 1;
+        let clock = self.clock;
+        for &id in &path {
+            self.touch(id, clock);
+        }
+        let mut parent = path.last().copied().or(root).unwrap_or(NONE);
+        if let Some((child, m)) = partial {
+            parent = self.split(child, m);
+            self.touch(parent, clock);
+        }
+        if new.is_empty() {
+            return Ok(pos);
+        }
+        if parent == NONE {
+            parent = self.new_node(Node { parent: NONE, ns: Some(ns.as_bytes().into()), ..Node::default() });
+            self.roots.insert(ns.as_bytes().into(), parent);
+        }
+        for &p in &new {
+            alloc.retain_cached(p);
+        }
+        let leaf = self.new_node(Node {
+            parent,
+            key: tokens[pos..aligned].to_vec(),
+            pages: new,
+            last_access: clock,
+            ..Node::default()
+        });
+        self.node_mut(parent).children.insert(tokens[pos..pos + ps].into(), leaf);
+        self.evictable += aligned - pos;
+        self.refresh(parent);
+        self.refresh(leaf);
+        Ok(pos)
+    }
+
+    /// Locks the path from `h`'s node to its root: none of it is evicted until `unlock(h)`.
+    ///
+    /// # Errors
+    /// [`RadixError::StaleHandle`], [`RadixError::LockOverflow`]; nothing changes then.
+    pub fn lock(&mut self, h: Handle) -> Result<(), RadixError> {
+        let id = self.resolve(h)?;
+        let mut cur = id;
+        while cur != NONE {
+            if self.node(cur).lock == u32::MAX {
+                return Err(RadixError::LockOverflow { node: cur });
+            }
+            cur = self.node(cur).parent;
+        }
+        self.node_mut(id).own_locks += 1;
+        let mut cur = id;
+        while cur != NONE {
+            let n = &mut self.nodes[cur as usize];
+            n.lock += 1;
+            if n.lock == 1 {
+                self.evictable -= n.key.len();
+                self.protected += n.key.len();
+                self.refresh(cur);
+            }
+            cur = self.node(cur).parent;
+        }
+        Ok(())
+    }
+
+    /// Releases one lock taken by [`lock`](Self::lock) on the same node.
+    ///
+    /// # Errors
+    /// [`RadixError::StaleHandle`]; [`RadixError::NotLocked`] when the node holds no lock of its
+    /// own (the count would go below zero). Nothing changes then.
+    pub fn unlock(&mut self, h: Handle) -> Result<(), RadixError> {
+        let id = self.resolve(h)?;
+        if self.node(id).own_locks == 0 {
+            return Err(RadixError::NotLocked { node: id });
+        }
+        self.node_mut(id).own_locks -= 1;
+        let mut cur = id;
+        while cur != NONE {
+            let n = &mut self.nodes[cur as usize];
+            n.lock -= 1;
+            if n.lock == 0 {
+                self.protected -= n.key.len();
+                self.evictable += n.key.len();
+                self.refresh(cur);
+            }
+            cur = self.node(cur).parent;
+        }
+        Ok(())
+    }
+
+    /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
+    /// once all their children are gone. Changes nothing; stops early when the goal is reached.
+    fn plan(&self, alloc: &PageAllocator, goal: &Goal) -> Plan {
+        let mut plan = Plan { order: Vec::new(), tokens: 0, freed_pages: 0 };
+        let mut leaves = self.lru.iter().copied().peekable();
+        let mut exposed: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+        let mut gone: HashMap<u32, usize> = HashMap::new();
+        loop {
+            let reached = match *goal {
+                Goal::Tokens(n) => plan.tokens >= n,
+                Goal::FreePages(n) => plan.freed_pages >= n,
+            };
+            if reached {
+                break;
+            }
+            let next = match (leaves.peek().copied(), exposed.peek().map(|r| r.0)) {
+                (Some(a), Some(b)) if b < a => exposed.pop().map(|r| r.0),
+                (Some(_), _) => leaves.next(),
+                (None, Some(_)) => exposed.pop().map(|r| r.0),
+                (None, None) => None,
+            };
+            let Some((_, id)) = next else { break };
+            let n = self.node(id);
+            plan.order.push(id);
+            plan.tokens += n.key.len();
+            plan.freed_pages += n.pages.iter().filter(|&&p| alloc.ref_count(p) == 1).count();
+            let parent = self.node(n.parent);
+            if !parent.key.is_empty() && parent.lock == 0 {
+                let g = gone.entry(n.parent).or_insert(0);
+                *g += 1;
+                if *g == parent.children.len() {
+                    exposed.push(Reverse((parent.last_access, n.parent)));
+                }
+            }
+        }
+        plan
+    }
+
+    /// Removes an unlocked leaf: drops the tree's reference on its pages.
+    fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32) {
+        let ps = self.page_size;
+        let n = std::mem::take(&mut self.nodes[id as usize]);
+        if n.in_lru {
+            self.lru.remove(&(n.last_access, id));
+        }
+        for &p in &n.pages {
+            alloc.release_cached(p);
+        }
+        self.evictable -= n.key.len();
+        self.nodes[id as usize].generation = n.generation;
+        self.free_node(id);
+        let parent = n.parent;
+        self.node_mut(parent).children.remove(&n.key[..ps]);
+        let p = self.node(parent);
+        if p.key.is_empty() {
+            if parent != SUPER && p.children.is_empty() && p.lock == 0 {
+                if let Some(ns) = self.node_mut(parent).ns.take() {
+                    self.roots.remove(&ns);
+                }
+                self.free_node(parent);
+            }
+        } else {
+            self.refresh(parent);
+        }
+    }
+
+    fn apply(&mut self, alloc: &mut PageAllocator, plan: &Plan) {
+        for &id in &plan.order {
+            self.remove_leaf(alloc, id);
+        }
+    }
+
+    /// Evicts least-recently-used unlocked leaves (then their parents) until at least
+    /// `num_tokens` tokens left the tree or nothing evictable is left. Whole nodes go, so more
+    /// than asked may be evicted. Returns the tokens evicted.
+    ///
+    /// # Errors
+    /// [`RadixError::WrongAllocator`].
+    pub fn evict(&mut self, alloc: &mut PageAllocator, num_tokens: usize) -> Result<usize, RadixError> {
+        self.check_alloc(alloc)?;
+        let plan = self.plan(alloc, &Goal::Tokens(num_tokens));
+        self.apply(alloc, &plan);
+        Ok(plan.tokens)
+    }
+
+    /// Allocates `n` pages, first evicting LRU entries until enough pages are free.
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfPages`] (with the pages eviction could reclaim) when even evicting
+    /// everything evictable would not free enough; nothing is evicted or allocated then.
+    pub fn alloc(&mut self, alloc: &mut PageAllocator, n: usize) -> Result<Vec<PageId>, RadixError> {
+        self.check_alloc(alloc)?;
+        let free = alloc.num_free();
+        if n > free {
+            let plan = self.plan(alloc, &Goal::FreePages(n - free));
+            if plan.freed_pages < n - free {
+                return Err(AllocError::OutOfPages { requested: n, free, evictable: plan.freed_pages }.into());
+            }
+            self.apply(alloc, &plan);
+        }
+        Ok(alloc.alloc(n)?)
+    }
+
+    /// Empties the cache (dropping the tree's page references) and zeroes the counters. Every
+    /// handle becomes stale.
+    ///
+    /// # Errors
+    /// [`RadixError::Locked`] while any lock is held; nothing changes then.
+    pub fn reset(&mut self, alloc: &mut PageAllocator) -> Result<(), RadixError> {
+        self.check_alloc(alloc)?;
+        let locks: u64 = self.nodes.iter().filter(|n| n.live).map(|n| u64::from(n.own_locks)).sum();
+        if locks > 0 {
+            return Err(RadixError::Locked { protected: self.protected, locks });
+        }
+        for n in &self.nodes {
+            for &p in &n.pages {
+                alloc.release_cached(p);
+            }
+        }
+        let fresh = Self::new(alloc, self.page_size)?;
+        *self = fresh;
+        Ok(())
+    }
+
+    /// Full root-to-leaf paths (tokens, pages) of namespace `ns`, for tests and debugging.
+    pub fn leaf_paths(&self, ns: &Namespace) -> Vec<(Vec<i32>, Vec<PageId>)> {
+        let mut out = Vec::new();
+        let Some(&root) = self.roots.get(ns.as_bytes()) else { return out };
+        let mut stack = vec![(root, Vec::new(), Vec::new())];
+        while let Some((id, toks, pages)) = stack.pop() {
+            let n = self.node(id);
+            if n.children.is_empty() {
+                out.push((toks, pages));
+                continue;
+            }
+            for &c in n.children.values() {
+                let cn = self.node(c);
+                let mut t = toks.clone();
+                t.extend_from_slice(&cn.key);
+                let mut p = pages.clone();
+                p.extend_from_slice(&cn.pages);
+                stack.push((c, t, p));
+            }
+        }
+        out
+    }
+
+    /// Checks every structural invariant against `alloc` (O(tree); for tests).
+    ///
+    /// # Errors
+    /// [`RadixError::Corrupt`] naming the first broken invariant.
+    pub fn check_invariants(&self, alloc: &PageAllocator) -> Result<(), RadixError> {
+        let bad = |s: String| Err(RadixError::Corrupt(s));
+        self.check_alloc(alloc)?;
+        let ps = self.page_size;
+        let (mut evictable, mut protected, mut in_lru) = (0, 0, 0);
+        let mut seen = vec![false; alloc.num_pages() + 1];
+        for (i, n) in self.nodes.iter().enumerate() {
+            let id = i as u32;
+            if !n.live {
+                if !self.free_slots.contains(&id) {
+                    return bad(format!("dead slot {id} not on the free list"));
+                }
+                continue;
+            }
+            let child_locks: u64 = n.children.values().map(|&c| u64::from(self.node(c).lock)).sum();
+            if u64::from(n.lock) != child_locks + u64::from(n.own_locks) {
+                return bad(format!("node {id}: lock {} != own {} + children {child_locks}", n.lock, n.own_locks));
+            }
+            for (k, &c) in &n.children {
+                let cn = self.node(c);
+                if !cn.live || cn.parent != id || cn.key.get(..ps) != Some(&k[..]) {
+                    return bad(format!("node {id}: child {c} mislinked"));
+                }
+            }
+            if id == SUPER {
+                continue;
+            }
+            if n.key.is_empty() {
+                let ok = n.parent == NONE
+                    && n.ns.as_ref().is_some_and(|ns| self.roots.get(ns) == Some(&id))
+                    && !n.children.is_empty();
+                if !ok {
+                    return bad(format!("namespace root {id} malformed or childless"));
+                }
+                continue;
+            }
+            if n.key.len() != n.pages.len() * ps || n.parent == NONE || !self.node(n.parent).live {
+                return bad(format!("node {id}: {} tokens, {} pages, parent {}", n.key.len(), n.pages.len(), n.parent));
+            }
+            let parent = self.node(n.parent);
+            if !parent.key.is_empty() && parent.last_access < n.last_access {
+                return bad(format!("node {id} accessed after its parent"));
+            }
+            if n.lock == 0 {
+                evictable += n.key.len();
+            } else {
+                protected += n.key.len();
+            }
+            if n.in_lru != self.is_evictable_leaf(id) || (n.in_lru && !self.lru.contains(&(n.last_access, id))) {
+                return bad(format!("node {id}: LRU membership wrong"));
+            }
+            in_lru += usize::from(n.in_lru);
+            for &p in &n.pages {
+                let i = p.get() as usize;
+                if seen[i] || !alloc.is_cached(p) || alloc.ref_count(p) == 0 {
+                    return bad(format!("page {i}: held twice, unmarked or free"));
+                }
+                seen[i] = true;
+            }
+        }
+        if (evictable, protected) != (self.evictable, self.protected) {
+            return bad(format!(
+                "sizes: counted evictable {evictable} protected {protected}, kept {} {}",
+                self.evictable, self.protected
+            ));
+        }
+        if in_lru != self.lru.len() {
+            return bad("stale LRU entries".into());
+        }
+        for (ns, &r) in &self.roots {
+            if self.node(r).ns.as_deref() != Some(&ns[..]) {
+                return bad(format!("root {r} has the wrong namespace"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setup(pages: u64, ps: u64) -> (PageAllocator, RadixCache) {
+        let a = PageAllocator::new(pages, ps).unwrap();
+        let c = RadixCache::new(&a, ps as usize).unwrap();
+        (a, c)
+    }
+
+    /// Allocates pages for `tokens`, inserts, and frees the caller's references.
+    fn put(a: &mut PageAllocator, c: &mut RadixCache, ns: &Namespace, tokens: &[i32]) -> usize {
+        let n = tokens.len().div_ceil(c.page_size());
+        let p = c.alloc(a, n).unwrap();
+        let present = c.insert(a, ns, tokens, &p).unwrap();
+        a.free(&p).unwrap();
+        c.check_invariants(a).unwrap();
+        present
+    }
+
+    fn ids(p: &[PageId]) -> Vec<u32> {
+        p.iter().map(|x| x.get()).collect()
+    }
+
+    #[test]
+    fn namespace_encoding_is_tagged_and_canonical() {
+        let enc = |f: &dyn Fn(&mut NamespaceBuilder)| {
+            let mut b = Namespace::builder();
+            f(&mut b);
+            b.finish()
+        };
+        let lora1 = enc(&|b| {
+            b.tuple(2).str("lora").int(1);
+        });
+        let salt1 = enc(&|b| {
+            b.tuple(2).str("salt").str("1");
+        });
+        let lora1_str = enc(&|b| {
+            b.tuple(2).str("lora").str("1");
+        });
+        assert_ne!(lora1, salt1);
+        assert_ne!(lora1, lora1_str);
+        assert_ne!(enc(&|b| { b.str("a"); }), enc(&|b| { b.bytes(b"a"); }));
+        assert_ne!(Namespace::none(), enc(&|b| { b.tuple(1).none(); }));
+        // One value, one key, whatever width it arrived in.
+        for v in [0i64, 1, -1, 127, 128, -128, -129, i64::MAX, i64::MIN] {
+            let wide = if v < 0 { [v.to_le_bytes(), [0xFF; 8]].concat() } else { [v.to_le_bytes(), [0; 8]].concat() };
+            assert_eq!(enc(&|b| { b.int(v); }), enc(&|b| { b.int_le(&wide); }), "{v}");
+        }
+        assert_ne!(enc(&|b| { b.int(-128); }), enc(&|b| { b.int(128); }));
+    }
+
+    #[test]
+    fn match_is_page_granular_and_splits() {
+        let (mut a, mut c) = setup(32, 4);
+        let ns = Namespace::none();
+        // 10 tokens: 2 whole pages cached, the partial last page is not.
+        assert_eq!(put(&mut a, &mut c, &ns, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]), 0);
+        assert_eq!(c.total_size(), 8);
+        assert_eq!(a.num_used(), 2);
+        // Shorter than a page: nothing.
+        let m = c.match_prefix(&ns, &[1, 2, 3]);
+        assert_eq!((m.len, m.pages.len()), (0, 0));
+        // Ends inside the edge: split after the first page.
+        let m = c.match_prefix(&ns, &[1, 2, 3, 4, 5, 6, 0, 0]);
+        assert_eq!(m.len, 4);
+        assert_eq!(c.num_nodes(), 2);
+        c.check_invariants(&a).unwrap();
+        // The handle stays valid while a later insert extends the path.
+        assert_eq!(put(&mut a, &mut c, &ns, &[1, 2, 3, 4, 9, 9, 9, 9]), 4);
+        c.lock(m.node).unwrap();
+        assert_eq!(c.protected_size(), 4);
+        c.unlock(m.node).unwrap();
+        assert_eq!((c.hit_tokens(), c.miss_tokens()), (4, 3 + 4));
+    }
+
+    /// CASES.md KVB-17: the matched node itself is locked, and unlock below zero raises.
+    #[test]
+    fn kvb17_lock_covers_the_matched_node() {
+        let (mut a, mut c) = setup(16, 1);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 2, 3]);
+        put(&mut a, &mut c, &ns, &[1, 2, 3, 4, 5, 6]);
+        let h = c.match_prefix(&ns, &[1, 2, 3, 4, 5, 6]).node;
+        c.lock(h).unwrap();
+        assert_eq!((c.evictable_size(), c.protected_size()), (0, 6));
+        assert_eq!(c.evict(&mut a, 6).unwrap(), 0);
+        c.unlock(h).unwrap();
+        assert_eq!((c.evictable_size(), c.protected_size()), (6, 0));
+        assert_eq!(c.evict(&mut a, 6).unwrap(), 6);
+        assert_eq!(c.total_size(), 0);
+        assert_eq!(a.num_free(), 16);
+        assert!(matches!(c.unlock(h), Err(RadixError::StaleHandle { .. })));
+        c.check_invariants(&a).unwrap();
+        // Unlock without lock, on a live node.
+        put(&mut a, &mut c, &ns, &[1, 2, 3]);
+        let h = c.match_prefix(&ns, &[1, 2, 3]).node;
+        assert_eq!(c.unlock(h).unwrap_err(), RadixError::NotLocked { node: h.node().get() });
+        assert_eq!((c.evictable_size(), c.protected_size()), (3, 0));
+    }
+
+    /// CASES.md KVB-19: namespaces never share entries.
+    #[test]
+    fn kvb19_namespaces_are_separate() {
+        let (mut a, mut c) = setup(64, 1);
+        let key = |lora: Option<(i64, &str)>, salt: Option<&str>| {
+            let mut b = Namespace::builder();
+            b.tuple(usize::from(lora.is_some()) + usize::from(salt.is_some()));
+            if let Some((id, _name)) = lora {
+                b.tuple(2).str("lora").int(id);
+            }
+            if let Some(s) = salt {
+                b.tuple(2).str("salt").str(s);
+            }
+            b.finish()
+        };
+        let t = [10, 11, 12, 13];
+        put(&mut a, &mut c, &key(Some((1, "a")), None), &t);
+        for ns in [key(Some((2, "a")), None), key(None, Some("a")), key(Some((1, "a")), Some("x")), key(None, None)] {
+            assert_eq!(c.match_prefix(&ns, &t).len, 0);
+        }
+        assert_eq!(c.match_prefix(&key(Some((1, "a")), None), &t).len, 4);
+    }
+
+    #[test]
+    fn insert_takes_only_new_pages() {
+        let (mut a, mut c) = setup(8, 1);
+        let ns = Namespace::none();
+        let p1 = a.alloc(2).unwrap();
+        assert_eq!(c.insert(&mut a, &ns, &[1, 2], &p1).unwrap(), 0);
+        let p2 = a.alloc(3).unwrap();
+        assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3], &p2).unwrap(), 2);
+        assert_eq!(ids(&[p2[0], p2[1]]).iter().map(|&p| a.ref_count(PageId::new(p).unwrap())).collect::<Vec<_>>(), vec![1, 1]);
+        assert_eq!(a.ref_count(p2[2]), 2);
+        a.free(&p1).unwrap();
+        a.free(&p2).unwrap();
+        assert_eq!(a.num_used(), 3);
+        let m = c.match_prefix(&ns, &[1, 2, 3]);
+        assert_eq!(ids(&m.pages), ids(&[p1[0], p1[1], p2[2]]));
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn insert_rejects_bad_input_atomically() {
+        let (mut a, mut c) = setup(8, 2);
+        let ns = Namespace::none();
+        let p = a.alloc(2).unwrap();
+        assert!(matches!(c.insert(&mut a, &ns, &[1, 2, 3, 4, 5, 6], &p), Err(RadixError::LengthMismatch { .. })));
+        assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0], p[0]]).is_err());
+        assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 0]).is_err());
+        assert!(c.insert(&mut a, &ns, &[1, 2, 3, 4], &[p[0].get(), 7]).is_err(), "page 7 is free");
+        assert_eq!(c.total_size(), 0);
+        assert_eq!(c.insert(&mut a, &ns, &[1, 2, 3, 4, 5], &p).unwrap(), 0);
+        // The same page again under another key.
+        let q = a.alloc(1).unwrap();
+        assert_eq!(c.insert(&mut a, &ns, &[7, 7, 8, 8], &[q[0], p[1]]).unwrap_err(), RadixError::PageInTree { page: p[1].get() });
+        assert_eq!(c.total_size(), 4);
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn eviction_is_lru_and_cache_alloc_is_atomic() {
+        let (mut a, mut c) = setup(6, 1);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 1]);
+        put(&mut a, &mut c, &ns, &[2, 2]);
+        put(&mut a, &mut c, &ns, &[3, 3]);
+        c.match_prefix(&ns, &[1, 1]); // [2,2] is now the oldest
+        let h = c.match_prefix(&ns, &[3, 3]).node;
+        c.lock(h).unwrap();
+        assert_eq!(c.evict(&mut a, 1).unwrap(), 2);
+        assert_eq!(c.match_prefix(&ns, &[2, 2]).len, 0);
+        assert_eq!(c.match_prefix(&ns, &[1, 1]).len, 2);
+        // 2 free + 2 evictable: asking 5 fails and evicts nothing.
+        let err = c.alloc(&mut a, 5).unwrap_err();
+        assert_eq!(err, RadixError::Page(AllocError::OutOfPages { requested: 5, free: 2, evictable: 2 }));
+        assert_eq!(c.total_size(), 4);
+        let got = c.alloc(&mut a, 4).unwrap();
+        assert_eq!(got.len(), 4);
+        assert_eq!(c.total_size(), 2);
+        c.check_invariants(&a).unwrap();
+        // A page a request still holds is not reclaimable.
+        a.free(&got).unwrap();
+        c.unlock(h).unwrap();
+        let m = c.match_prefix(&ns, &[3, 3]);
+        a.inc_ref(&m.pages).unwrap();
+        let err = c.alloc(&mut a, 7).unwrap_err();
+        assert_eq!(err, RadixError::Page(AllocError::OutOfPages { requested: 7, free: 4, evictable: 0 }));
+        assert_eq!(c.evict(&mut a, 100).unwrap(), 2);
+        assert_eq!(a.num_free(), 4);
+        a.free(&m.pages).unwrap();
+        assert_eq!(a.num_free(), 6);
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn parents_are_evicted_after_children() {
+        let (mut a, mut c) = setup(16, 1);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 2, 3]);
+        put(&mut a, &mut c, &ns, &[1, 2, 3, 4]);
+        put(&mut a, &mut c, &ns, &[9]);
+        // [1,2,3] and its child [4] are older than [9]: the chain goes first.
+        c.match_prefix(&ns, &[9]);
+        assert_eq!(c.evict(&mut a, 2).unwrap(), 4);
+        assert_eq!(c.match_prefix(&ns, &[9]).len, 1);
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn reset_refuses_locks_and_stales_handles() {
+        let (mut a, mut c) = setup(8, 1);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 2]);
+        let h = c.match_prefix(&ns, &[1, 2]).node;
+        c.lock(h).unwrap();
+        assert!(matches!(c.reset(&mut a), Err(RadixError::Locked { protected: 2, locks: 1 })));
+        c.unlock(h).unwrap();
+        c.reset(&mut a).unwrap();
+        assert_eq!((c.total_size(), a.num_free(), c.hit_tokens()), (0, 8, 0));
+        assert!(matches!(c.lock(h), Err(RadixError::StaleHandle { .. })));
+        let empty = c.match_prefix(&ns, &[5]).node;
+        c.lock(empty).unwrap();
+        assert!(c.reset(&mut a).is_err(), "a lock on the super-root counts too");
+        c.unlock(empty).unwrap();
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn wrong_allocator_and_page_size() {
+        let (mut a, mut c) = setup(8, 1);
+        let mut b = PageAllocator::new(8, 1).unwrap();
+        assert_eq!(c.evict(&mut b, 1).unwrap_err(), RadixError::WrongAllocator);
+        assert!(matches!(RadixCache::new(&a, 2), Err(RadixError::PageSizeMismatch { .. })));
+        let other = RadixCache::new(&a, 1).unwrap();
+        put(&mut a, &mut c, &Namespace::none(), &[1]);
+        let mut other = other;
+        let h = c.match_prefix(&Namespace::none(), &[1]).node;
+        assert!(matches!(other.lock(h), Err(RadixError::StaleHandle { .. })));
+    }
+
+    #[test]
+    fn narrow_tokens_names_the_value() {
+        assert_eq!(narrow_tokens(&[1, 2]), Ok(vec![1, 2]));
+        assert_eq!(narrow_tokens(&[1, 1 << 33]), Err(RadixError::TokenOutOfRange { index: 1, value: 1 << 33 }));
+    }
+
+    #[test]
+    fn common_prefix_chunks() {
+        let a: Vec<i32> = (0..2000).collect();
+        for k in [0, 1, 7, 8, 63, 64, 70, 511, 512, 1500, 1999] {
+            let mut b = a.clone();
+            b[k] = -1;
+            assert_eq!(common_prefix(&a, &b), k);
+        }
+        assert_eq!(common_prefix(&a, &a), 2000);
+        assert_eq!(common_prefix(&a[..5], &a), 5);
+        assert_eq!(common_prefix(&[], &a), 0);
+    }
+}

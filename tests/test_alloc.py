@@ -1,0 +1,221 @@
+"""PageAllocator and the batch helpers (page table, slots) through the Python API."""
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool import (
+    ArrayTypeError,
+    BatchError,
+    InvalidArgumentError,
+    OutOfPagesError,
+    PageAllocator,
+    PageError,
+)
+
+
+def i32(*xs):
+    return np.array(xs, dtype=np.int32)
+
+
+def test_pages_are_one_to_n_int32_never_padding():
+    a = PageAllocator(5, 16)
+    assert (a.num_pages, a.page_size, a.num_free, a.num_used) == (5, 16, 5, 0)
+    p = a.alloc(5)
+    assert p.dtype == np.int32 and p.shape == (5,)
+    assert sorted(p.tolist()) == [1, 2, 3, 4, 5]
+    assert (a.num_free, a.num_used) == (0, 5)
+    assert a.ref_counts().tolist() == [0, 1, 1, 1, 1, 1]
+    assert a.alloc(0).shape == (0,)
+
+
+def test_out_of_pages_is_a_memory_error_with_numbers_and_changes_nothing():
+    a = PageAllocator(4, 1)
+    a.alloc(3)
+    with pytest.raises(MemoryError) as e:
+        a.alloc(2)
+    assert isinstance(e.value, OutOfPagesError)
+    assert (e.value.requested, e.value.free, e.value.evictable) == (2, 1, 0)
+    assert "`2`" in str(e.value)
+    assert a.num_free == 1
+    assert a.try_alloc(2) is None
+    assert a.num_free == 1
+    assert a.try_alloc(1).tolist() == [4]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kvb21_double_free_never_aliases_a_page(page_size):
+    """CASES.md KVB-21: double free, duplicate in one call, retain/release counts."""
+    a = PageAllocator(4, page_size)
+    p = a.alloc(1)
+    a.free(p)
+    with pytest.raises(PageError, match=f"`{p[0]}`"):
+        a.free(p)
+    assert a.num_free == 4
+    x, y = a.alloc(2), a.alloc(2)
+    assert len(set(x.tolist()) | set(y.tolist())) == 4
+    with pytest.raises(OutOfPagesError):
+        a.alloc(1)
+    q = int(x[0])
+    with pytest.raises(PageError, match="more than once"):
+        a.free(i32(q, q))
+    assert a.ref_counts()[q] == 1
+    a.free(i32(q))
+    assert a.num_free == 1
+    assert a.alloc(1).tolist() == [q]
+
+    a = PageAllocator(4, page_size)
+    p = a.alloc(1)
+    a.inc_ref(p)
+    assert a.ref_counts()[p[0]] == 2
+    a.free(p)
+    assert a.num_free == 3
+    a.free(p)
+    assert a.num_free == 4, "the page returns exactly once, on the second release"
+    with pytest.raises(PageError):
+        a.free(p)
+    assert a.num_free == 4
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [([1, 0], "padding"), ([1, 5], "`5` is out of range"), ([1, -3], "`-3`"), ([1, 3], "`3` is not allocated"),
+     ([2, 1, 2], "`2` appears more than once")],
+)
+def test_free_and_inc_ref_are_atomic(bad, match):
+    a = PageAllocator(4, 1)
+    a.alloc(2)
+    before = a.ref_counts().copy()
+    for op in (a.free, a.inc_ref):
+        for dtype in (np.int32, np.int64):
+            with pytest.raises(PageError, match=match):
+                op(np.array(bad, dtype=dtype))
+            assert (a.ref_counts() == before).all()
+            assert a.num_free == 2
+
+
+def test_int64_pages_beyond_int32_are_out_of_range():
+    a = PageAllocator(4, 1)
+    with pytest.raises(PageError, match=str(1 << 40)):
+        a.free(np.array([1 << 40], dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "pages",
+    [[1], np.array([1.0]), np.array([1], dtype=np.uint8), np.array([[1]], dtype=np.int32), 1,
+     np.array([1, 2, 3, 4], dtype=np.int32)[::2]],
+)
+def test_wrong_arrays_raise_array_type_error(pages):
+    a = PageAllocator(4, 1)
+    a.alloc(4)
+    with pytest.raises(ArrayTypeError) as e:
+        a.free(pages)
+    assert isinstance(e.value, TypeError) and isinstance(e.value, ValueError)
+    assert "`pages`" in str(e.value)
+    assert a.num_free == 0
+
+
+def test_bad_sizes_and_negative_counts():
+    with pytest.raises(InvalidArgumentError, match="num_pages"):
+        PageAllocator(0, 1)
+    with pytest.raises(InvalidArgumentError, match="page_size"):
+        PageAllocator(4, 0)
+    with pytest.raises(InvalidArgumentError, match="`-1`"):
+        PageAllocator(-1, 1)
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        PageAllocator(1 << 30, 16)
+    a = PageAllocator(4, 1)
+    for op in (a.alloc, a.try_alloc):
+        with pytest.raises(ValueError, match="`-2`"):
+            op(-2)
+    assert a.num_free == 4
+
+
+# --- batch helpers -------------------------------------------------------------------------------
+
+
+def test_page_table_pads_with_padding_page():
+    t = kvpool.page_table([i32(3, 4), np.array([], dtype=np.int32), np.array([7], dtype=np.int64)])
+    assert t.dtype == np.int32
+    assert t.tolist() == [[3, 4], [0, 0], [7, 0]]
+    assert kvpool.page_table([i32(1)], 3).tolist() == [[1, 0, 0]]
+    out = np.full((2, 4), -1, dtype=np.int32)
+    r = kvpool.page_table([i32(5), i32(6, 7)], out=out)
+    assert r is out or np.shares_memory(r, out)
+    assert out.tolist() == [[5, 0, 0, 0], [6, 7, 0, 0]]
+    with pytest.raises(BatchError, match="max_pages"):
+        kvpool.page_table([i32(1, 2, 3)], 2)
+    with pytest.raises(ArrayTypeError):
+        kvpool.page_table([[1, 2]])
+
+
+def slots_by_hand(table, prefix, seq, ps):
+    out = []
+    for row, p, s in zip(table, prefix, seq):
+        out += [int(row[t // ps]) * ps + t % ps for t in range(p, s)]
+    return out
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("lens_dtype", [np.int32, np.int64])
+def test_extend_fills_the_last_partial_page_first(ps, lens_dtype):
+    rng = np.random.default_rng(ps)
+    a = PageAllocator(1024, ps)
+    prefix = rng.integers(0, 40, size=6).astype(lens_dtype)
+    seq = (prefix + rng.integers(0, 40, size=6)).astype(lens_dtype)
+    width = int(-(-seq.max() // ps))
+    rows = [a.alloc(-(-int(p) // ps)) for p in prefix]
+    table = kvpool.page_table(rows, width)
+    need = kvpool.pages_needed(prefix, seq, ps)
+    assert need.tolist() == [-(-int(s) // ps) - (-(-int(p) // ps)) for p, s in zip(prefix, seq)]
+    new = a.alloc(int(need.sum()))
+    kvpool.assign_pages(table, prefix, seq, new, ps)
+    # Each row: its old pages, then its share of `new`, in order.
+    k = 0
+    for i, row in enumerate(rows):
+        n = int(need[i])
+        expect = row.tolist() + new[k : k + n].tolist()
+        k += n
+        assert table[i, : len(expect)].tolist() == expect
+        assert (table[i, len(expect) :] == 0).all()
+    slots = kvpool.extend_slots(table, prefix, seq, ps)
+    assert slots.dtype == np.int32
+    assert slots.tolist() == slots_by_hand(table, prefix, seq, ps)
+    # The first new token of a request with a partial page lands in that (old) page.
+    starts = np.concatenate([[0], np.cumsum(seq - prefix)[:-1]])
+    for i, p in enumerate(prefix):
+        if p % ps and seq[i] > p:
+            assert slots[starts[i]] == rows[i][-1] * ps + p % ps
+    out = np.zeros(int((seq - prefix).sum()), dtype=np.int32)
+    kvpool.extend_slots(table, prefix, seq, ps, out=out)
+    assert out.tolist() == slots.tolist()
+    # Decode: one more token each.
+    seq2 = seq + 1
+    need2 = kvpool.pages_needed(seq, seq2, ps)
+    table2 = kvpool.page_table([table[i, : -(-int(s) // ps)] for i, s in enumerate(seq)], width + 1)
+    kvpool.assign_pages(table2, seq, seq2, a.alloc(int(need2.sum())), ps)
+    d = kvpool.decode_slots(table2, seq2, ps)
+    assert d.tolist() == slots_by_hand(table2, seq, seq2, ps)
+
+
+def test_batch_errors_name_the_request_and_leave_outputs_alone():
+    table = np.array([[5, 0]], dtype=np.int32)
+    out = np.full(3, -7, dtype=np.int32)
+    with pytest.raises(BatchError, match="request 0: token 2"):
+        kvpool.extend_slots(table, i32(0), i32(3), 2, out=out)
+    assert out.tolist() == [-7, -7, -7]
+    with pytest.raises(BatchError, match="below `prefix_lens`"):
+        kvpool.pages_needed(i32(3), i32(2), 2)
+    with pytest.raises(BatchError, match="negative"):
+        kvpool.pages_needed(i32(-1), i32(2), 2)
+    with pytest.raises(BatchError, match="`prefix_lens` has 2 entries"):
+        kvpool.pages_needed(i32(0, 0), i32(2), 2)
+    with pytest.raises(BatchError, match="`new_pages` has 2 entries, expected 1"):
+        kvpool.assign_pages(table, i32(2), i32(3), i32(1, 2), 2)
+    assert table.tolist() == [[5, 0]]
+    with pytest.raises(ArrayTypeError, match="2-D numpy int32"):
+        kvpool.extend_slots(table.astype(np.int64), i32(0), i32(1), 2)
+    with pytest.raises(ArrayTypeError, match="`seq_lens`"):
+        kvpool.decode_slots(table, np.array([1.0]), 2)
+    with pytest.raises(ValueError, match="page_size"):
+        kvpool.pages_needed(i32(0), i32(1), -1)
