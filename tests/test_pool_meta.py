@@ -19,3 +19,25 @@ def test_meta_pool_allocates_exactly_the_plan(model, page_size):
         assert plan.k_bytes + plan.v_bytes + plan.scale_bytes + plan.workspace_bytes == plan.total_bytes
         assert plan.total_bytes <= plan.budget_bytes
         assert plan.num_tokens % page_size == 0
+
+
+@pytest.mark.parametrize("bad", [1e39, 1e-46, float("nan"), -1.0, 0.0, "2", True])
+def test_set_kv_scales_checks_everything_before_writing(bad):
+    plan = kvpool.size_for({"num_hidden_layers": 4, "num_attention_heads": 8,
+                            "num_key_value_heads": 2, "head_dim": 64}, "fp8_e4m3", num_tokens=16)
+    pool = kvpool.KVPool(plan, device="cpu")
+    with pytest.raises(ValueError, match=r"k_scales\[3\]"):
+        pool.set_kv_scales([2.0, 2.0, 2.0, bad], [1.0] * 4)
+    assert [pool.layer(i).k_scale.item() for i in range(4)] == [1.0] * 4
+    assert pool.scales_source is None
+    pool.set_kv_scales([2.0, 3.0, 4.0, 5.0], [1.0] * 4, source="test")
+    assert [pool.layer(i).k_scale.item() for i in range(4)] == [2.0, 3.0, 4.0, 5.0]
+
+
+def test_layer_index_checks():
+    plan = kvpool.size_for("Qwen/Qwen3-Next-80B-A3B-Thinking", "bf16", num_tokens=16)
+    pool = kvpool.KVPool(plan, device="meta")
+    assert pool.layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
+    for bad in (0, 48, -1, True, "3"):
+        with pytest.raises(KeyError, match="layer"):
+            pool.layer(bad)

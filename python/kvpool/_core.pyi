@@ -1,9 +1,95 @@
-"""Type stubs for ``kvpool._core`` (the Rust extension).
+"""Type stub of the native module ``kvpool._core`` (Rust, PyO3). Byte counts are ``int`` bytes."""
 
-This file covers the page allocator, the radix prefix cache, the batch helpers and their
-exceptions. Page ids are numpy int32 (page 0 is the reserved padding page and is never handed
-out); token ids are numpy int32 or int64; sizes are in tokens unless a name says pages.
-"""
+from typing import Literal
+
+KvDtypeName = Literal[
+    "auto", "fp32", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16"
+]
+Nvfp4RecipeName = Literal["linear", "page_major", "mixed", "linear_workspace"]
+
+class KvDtypeError(ValueError): ...
+class ModelConfigError(ValueError): ...
+class LayoutError(ValueError): ...
+class SizingError(ValueError): ...
+class BudgetTooSmallError(SizingError): ...
+
+class ModelGeometry:
+    """Attention geometry (global, before TP sharding)."""
+
+    def __init__(
+        self,
+        *,
+        layer_kinds: list[Literal["full", "sliding", "linear"]],
+        num_attention_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        sliding_window: int | None = None,
+        kv_lora_rank: int | None = None,
+        qk_rope_head_dim: int | None = None,
+        linear_conv_bytes: int = 0,
+        linear_ssm_bytes: int = 0,
+    ) -> None: ...
+    def kv_heads_per_rank(self, tp_size: int) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+
+BufferRow = tuple[str, int | None, str, str, str, list[int], int]
+
+class Plan:
+    """A sized pool (see ``kvpool.Plan`` for the documented wrapper)."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_pages(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def kv_heads_per_rank(self) -> int: ...
+    @property
+    def budget_bytes(self) -> int: ...
+    @property
+    def bytes_per_token(self) -> int: ...
+    @property
+    def fixed_bytes(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def k_bytes(self) -> int: ...
+    @property
+    def v_bytes(self) -> int: ...
+    @property
+    def scale_bytes(self) -> int: ...
+    @property
+    def workspace_bytes(self) -> int: ...
+    @property
+    def nvfp4_recipe(self) -> Nvfp4RecipeName: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def layer_dtypes(self) -> list[str | None]: ...
+    @property
+    def buffers(self) -> list[BufferRow]: ...
+    def request_bytes(self, n: int) -> int: ...
+    def linear_state_bytes(self) -> tuple[int, int]: ...
+
+def kv_budget_bytes(total_memory: int, available_memory: int, mem_frac: float) -> int: ...
+def plan(
+    geometry: ModelGeometry,
+    dtype: KvDtypeName,
+    *,
+    model_dtype: str = "bf16",
+    page_size: int = 1,
+    tp_size: int = 1,
+    nvfp4_recipe: Nvfp4RecipeName = "linear",
+    overrides: list[tuple[int, str]] = ...,
+    sliding_dtype: str | None = None,
+    budget: int | None = None,
+    num_tokens: int | None = None,
+) -> Plan: ...
+
+
 
 from typing import Any, TypeAlias
 
@@ -14,8 +100,6 @@ Int32Array: TypeAlias = npt.NDArray[np.int32]
 IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 Namespace: TypeAlias = None | int | str | bytes | tuple["Namespace", ...]
 
-# The other rooms (sizing, layout, ...) are not described here yet.
-def __getattr__(name: str) -> Any: ...
 
 # --- exceptions ----------------------------------------------------------------------------------
 

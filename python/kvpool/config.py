@@ -17,6 +17,7 @@ Rules (each learnt from a fault seen in a peer engine, see ``shared/CASES.md``):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -38,14 +39,21 @@ _DTYPE_NAMES = {
     "float": "fp32",
 }
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_MAX_FIELD = 1 << 40
+_MAX_LAYERS = 1 << 16
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled() -> tuple[str, ...]:
+    files = resources.files("kvpool").joinpath("models").iterdir()
+    return tuple(
+        sorted(f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json"))
+    )
 
 
 def bundled_models() -> list[str]:
     """Hub ids of the bundled ``config.json`` files (``org/name``), sorted."""
-    files = resources.files("kvpool").joinpath("models").iterdir()
-    return sorted(
-        f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json")
-    )
+    return list(_bundled())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -94,6 +102,8 @@ class _Fields:
             raise ModelConfigError(f"model config lacks `{name}`")
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ModelConfigError(f"`{name}` must be a non-negative integer, got {v!r}")
+        if v > _MAX_FIELD:
+            raise ModelConfigError(f"`{name}` = {v} exceeds {_MAX_FIELD}; no real model is that large")
         return v
 
 
@@ -215,14 +225,25 @@ class ModelSpec:
                 "indexer cache (DeepSeek-V3.2 style), which kvpool does not size yet; refusing "
                 "rather than under-counting its bytes"
             )
+        for name in ("index_n_heads", "index_topk"):
+            if f.has(name):
+                raise ModelConfigError(
+                    f"`{name}` = {f.get(name)}: sparse-attention indexer configs are not sized yet"
+                )
         num_layers = f.int("num_hidden_layers")
-        if num_layers == 0:
-            raise ModelConfigError("`num_hidden_layers` must be positive, got 0")
+        if not 0 < num_layers <= _MAX_LAYERS:
+            raise ModelConfigError(f"`num_hidden_layers` must be in 1..{_MAX_LAYERS}, got {num_layers}")
         heads = f.int("num_attention_heads")
         if heads == 0:
             raise ModelConfigError("`num_attention_heads` must be positive, got 0")
         kv_heads = f.int("num_key_value_heads", default=heads)
-        if f.has("head_dim"):
+        if kv_heads > heads:
+            raise ModelConfigError(
+                f"`num_key_value_heads` = {kv_heads} exceeds `num_attention_heads` = {heads}"
+            )
+        if f.has("kv_lora_rank"):
+            head_dim = f.int("qk_nope_head_dim", default=0) + f.int("qk_rope_head_dim")
+        elif f.has("head_dim"):
             head_dim = f.int("head_dim")
         else:
             hidden = f.int("hidden_size")
@@ -232,12 +253,11 @@ class ModelSpec:
                     f"`num_attention_heads` = {heads}; cannot derive the head size"
                 )
             head_dim = hidden // heads
-        v_head_dim = f.int("v_head_dim", default=head_dim) if f.has("v_head_dim") else head_dim
+        v_head_dim = f.int("v_head_dim", default=head_dim)
         kv_lora_rank = qk_rope = None
         if f.has("kv_lora_rank"):
             kv_lora_rank = f.int("kv_lora_rank")
             qk_rope = f.int("qk_rope_head_dim")
-            head_dim = f.int("qk_nope_head_dim", default=0) + qk_rope
         kinds, window = _layer_kinds(f, num_layers)
         model_dtype, source = _model_dtype(f, dtype)
         linear = _linear_attention(f) if "linear" in kinds else {}
@@ -316,8 +336,8 @@ class ModelSpec:
 
 def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
     window = f.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-        raise ModelConfigError(f"`sliding_window` must be an integer or null, got {window!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ModelConfigError(f"`sliding_window` must be a non-negative integer or null, got {window!r}")
     types = f.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
@@ -346,14 +366,29 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
 def _layer_type(t: object, i: int) -> str:
     if not isinstance(t, str):
         raise ModelConfigError(f"`layer_types[{i}]` must be a string, got {t!r}")
-    s = t.lower()
-    if "sliding" in s or s in ("local", "local_attention", "chunked_attention"):
-        return "sliding"
-    if "linear" in s or "mamba" in s or "deltanet" in s:
-        return "linear"
-    if s in ("full_attention", "attention", "global", "global_attention", "full"):
-        return "full"
-    raise ModelConfigError(f"unknown layer type `{t}` at `layer_types[{i}]`")
+    kind = _LAYER_TYPES.get(t.lower())
+    if kind is None:
+        raise ModelConfigError(
+            f"unknown layer type `{t}` at `layer_types[{i}]`; known: {', '.join(sorted(_LAYER_TYPES))}"
+        )
+    return kind
+
+
+# Names seen in published configs' `layer_types`.
+_LAYER_TYPES = {
+    "full_attention": "full",
+    "attention": "full",
+    "global": "full",
+    "global_attention": "full",
+    "sliding_attention": "sliding",
+    "sliding_window_attention": "sliding",
+    "local": "sliding",
+    "local_attention": "sliding",
+    "linear_attention": "linear",
+    "mamba": "linear",
+    "mamba2": "linear",
+    "gated_deltanet": "linear",
+}
 
 
 def _sliding_pattern(f: _Fields, num_layers: int) -> list[str]:
@@ -362,7 +397,9 @@ def _sliding_pattern(f: _Fields, num_layers: int) -> list[str]:
     if model_type == "gemma2":
         # Gemma 2 alternates: even layers local (sliding), odd layers global.
         return ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
-    if isinstance(pattern, int) and pattern > 0:
+    if pattern is not None:
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise ModelConfigError(f"`sliding_window_pattern` must be a positive integer, got {pattern!r}")
         # Gemma 3: every `pattern`-th layer is global.
         return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
     if f.has("max_window_layers") and model_type.startswith("qwen"):

@@ -83,6 +83,24 @@ _FIELD = {
 }
 
 
+def _scales_f32(name: str, scales: Sequence[float], n: int) -> list[float]:
+    """Scales as the fp32 values the buffers will hold, checked before anything is written."""
+    vals = list(scales)
+    if len(vals) != n:
+        raise ValueError(f"`{name}` has {len(vals)} entries, the model has {n} layers")
+    out = []
+    for i, x in enumerate(vals):
+        if isinstance(x, (bool, str)) or not isinstance(x, (int, float)):
+            raise ValueError(f"`{name}[{i}]` = {x!r}: scales are numbers (layer {i})")
+        f32 = float(torch.tensor(float(x), dtype=torch.float32))
+        if not (0 < f32 < float("inf")):
+            raise ValueError(
+                f"`{name}[{i}]` = {x}: scales must be finite and > 0 in fp32 (layer {i})"
+            )
+        out.append(f32)
+    return out
+
+
 class KVPool:
     """The KV cache buffers of one rank, allocated exactly as ``plan.buffers`` lists them.
 
@@ -153,6 +171,8 @@ class KVPool:
             ``layer`` is out of range or stores no KV (linear attention).
         """
         try:
+            if isinstance(layer, bool):
+                raise TypeError
             return self._views[layer]
         except (KeyError, TypeError):
             raise KeyError(
@@ -180,16 +200,111 @@ class KVPool:
             Wrong length, or a scale that is not finite and positive (naming the layer).
         """
         n = self.plan.spec.num_layers
-        ks, vs = [list(map(float, s)) for s in (k_scales, v_scales)]
-        for name, s in (("k_scales", ks), ("v_scales", vs)):
-            if len(s) != n:
-                raise ValueError(f"`{name}` has {len(s)} entries, the model has {n} layers")
-            for i, x in enumerate(s):
-                if not (x > 0 and x != float("inf")):
-                    raise ValueError(f"`{name}[{i}]` = {x}: scales must be finite and > 0 (layer {i})")
+        ks, vs = (_scales_f32(name, s, n) for name, s in (("k_scales", k_scales), ("v_scales", v_scales)))
         for layer, view in self._views.items():
             if view.k_scale is not None:
                 view.k_scale.fill_(ks[layer])
             if view.v_scale is not None:
                 view.v_scale.fill_(vs[layer])
         self.scales_source = source
+
+    # --- quantized write / dequantize (kvpool.write) and the missing-scales warning ---------
+
+    #: Check slots and finiteness on every write (host sync); the CPU path always checks.
+    debug: bool = False
+
+    def write(
+        self,
+        layer: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        *,
+        debug: bool | None = None,
+    ) -> None:
+        """Quantize and store one layer's new K/V at slots ``loc`` (one fused kernel on the GPU).
+
+        ``loc`` ``[T]`` int32/int64, ``k`` ``[T, H, D]``, ``v`` ``[T, H, Dv]`` (None for MLA),
+        bf16/fp16/fp32. Layouts, NaN/Inf rules and checks: :func:`kvpool.write.write_kv`.
+        The first write of an fp8_e4m3 pool whose scales were never set warns once.
+
+        Raises
+        ------
+        ValueError
+            Bad shapes/dtypes/devices; out-of-range slots or non-finite values on the CPU path
+            or with ``debug`` (default: ``pool.debug``).
+        KeyError
+            ``layer`` stores no KV.
+        """
+        from kvpool.write import write_kv
+
+        self._warn_missing_scales_once()
+        write_kv(self.layer(layer), loc, k, v, debug=self.debug if debug is None else debug)
+
+    def dequantize(
+        self, layer: int, loc: torch.Tensor, out_dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Read slots ``loc`` of one layer back as values: ``(k [N, H, D], v [N, H, Dv] or None)``.
+
+        The unfused reference read path (and what tests compare against); uses the same
+        per-layer scales as the write and attention paths.
+        """
+        from kvpool.write import dequantize_kv
+
+        view = self.layer(layer)
+        k = dequantize_kv(view, loc, "k", out_dtype)
+        v = None if view.is_mla else dequantize_kv(view, loc, "v", out_dtype)
+        return k, v
+
+    def _warn_missing_scales_once(self) -> None:
+        """Warn once per pool when fp8_e4m3 layers run at k/v scale 1.0 (never set).
+
+        e5m2 (whose range makes 1.0 usable) and nvfp4 global scales of 1.0 are only logged.
+        Scales from a checkpoint, a JSON file, calibration or the caller never warn. The read
+        paths (decode/extend) may call this too; it acts once.
+        """
+        if getattr(self, "_scales_checked", False):
+            return
+        self._scales_checked = True
+        if self.scales_source is not None:
+            return
+        from kvpool.scales import warn_missing_scales
+
+        warn_missing_scales({i: v.dtype for i, v in self._views.items()})
+
+    # --- fused attention (kvpool.attention); keep these two methods together at the end -------
+
+    def decode(
+        self, layer: int, q: torch.Tensor, page_table=None, seq_lens=None, **kwargs
+    ) -> torch.Tensor:
+        """Decode attention of one new token per request over ``layer``'s paged cache.
+
+        ``q`` ``[B, H_q, head_dim]``, ``page_table`` ``[B, max_pages]`` int32, ``seq_lens`` ``[B]``
+        int32 -> ``[B, H_q, v_head_dim]`` in ``q``'s dtype. Keyword arguments (``sm_scale``,
+        ``window``, ``sinks``, ``softcap``, ``backend``, ``plan``, ``out``) as in
+        :func:`kvpool.attention.decode`.
+        """
+        from kvpool import attention
+
+        self._warn_missing_scales_once()
+        return attention.decode(self.layer(layer), q, page_table, seq_lens, **kwargs)
+
+    def extend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        cu_seqlens_q=None,
+        page_table=None,
+        seq_lens=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Extend (prefill with a cached prefix) attention over ``layer``'s paged cache.
+
+        ``q`` ``[T, H_q, head_dim]`` of the new tokens (ragged by ``cu_seqlens_q`` ``[B + 1]``),
+        whose K/V were already written; they attend causally to their whole sequence. Keyword
+        arguments as in :func:`kvpool.attention.extend`.
+        """
+        from kvpool import attention
+
+        self._warn_missing_scales_once()
+        return attention.extend(self.layer(layer), q, cu_seqlens_q, page_table, seq_lens, **kwargs)

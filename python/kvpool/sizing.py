@@ -6,7 +6,6 @@ so ``sum(buffer.nbytes) == plan.total_bytes`` holds to the byte. GiB here are 2^
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -21,8 +20,19 @@ if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
 #: The concrete KV dtypes, in report order (``auto`` resolves to the model's dtype).
-KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
+KV_DTYPES: tuple[str, ...] = tuple(_core.KV_DTYPES)
 GIB = 1 << 30
+
+
+def _int(name: str, v: Any, *, minimum: int = 0, exc: type[Exception] = SizingError) -> int:
+    """``v`` as a plain int >= ``minimum`` (bools, floats and strings are refused)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise exc(f"`{name}` must be an integer, got {v!r}")
+    if v < minimum:
+        raise exc(f"`{name}` must be >= {minimum}, got {v}")
+    if v >= 1 << 64:
+        raise exc(f"`{name}` = {v} does not fit in 64 bits")
+    return v
 
 
 class BufferSpec(NamedTuple):
@@ -79,6 +89,8 @@ class Plan:
         How the budget was derived (None when the plan was made for a given token count).
     """
 
+    __slots__ = ("_core", "budget", "spec", "tp_size")
+
     def __init__(self, core: Any, spec: ModelSpec, tp_size: int, budget: Budget | None):
         self._core = core
         self.spec = spec
@@ -114,15 +126,11 @@ class Plan:
         page when ``page_size > 1``. Linear-attention state is not included (see
         :meth:`linear_state_bytes`).
         """
-        if n < 0:
-            raise ValueError(f"request length must be >= 0, got {n}")
-        return self._core.request_bytes(n)
+        return self._core.request_bytes(_int("n", n))
 
     def requests_fit(self, context_len: int) -> int:
         """Requests of ``context_len`` tokens this pool holds at once (whole pages each)."""
-        if context_len <= 0:
-            raise ValueError(f"context_len must be positive, got {context_len}")
-        pages = math.ceil(context_len / self.page_size)
+        pages = -(-_int("context_len", context_len, minimum=1) // self.page_size)
         return self.num_pages // pages
 
     def linear_state_bytes(self) -> int:
@@ -159,7 +167,13 @@ class Plan:
         return d
 
 
-def _spec(model: ModelSpec | str | os.PathLike[str], model_dtype: str | None) -> ModelSpec:
+def _spec(model: ModelSpec | dict | str | os.PathLike[str], model_dtype: str | None) -> ModelSpec:
+    if isinstance(model, dict):
+        return ModelSpec.from_dict(model, dtype=model_dtype)
+    if isinstance(model, str) and not model.strip():
+        from kvpool._core import ModelConfigError
+
+        raise ModelConfigError("`model` is an empty string")
     if isinstance(model, ModelSpec):
         if model_dtype is not None:
             from dataclasses import replace
@@ -181,27 +195,28 @@ def _budget(
     weights: int | str | None,
     tp_size: int,
 ) -> Budget:
-    if not (isinstance(mem_frac, (int, float)) and 0.0 < mem_frac <= 1.0):
+    if isinstance(mem_frac, bool) or not isinstance(mem_frac, (int, float)) or not 0 < mem_frac <= 1:
         raise SizingError(f"`mem_frac` must be in (0, 1], got {mem_frac!r}")
     if gpu is not None and total_memory is not None:
         raise SizingError("give either `gpu` or `total_memory`, not both")
+    if available_memory is not None and weights is not None:
+        raise SizingError(
+            "give either `available_memory` (free after loading weights) or `weights`, not both"
+        )
     if total_memory is None and gpu is not None:
         total_memory = gpu_memory(gpu)
     if total_memory is None:
-        total_memory, available_memory = _measure_device(available_memory)
-    if isinstance(total_memory, float) or isinstance(available_memory, float):
-        raise SizingError("memory sizes are integer bytes (multiply GiB by 2**30)")
-    if total_memory <= 0:
-        raise SizingError(f"`total_memory` must be positive, got {total_memory}")
+        if available_memory is not None:
+            raise SizingError("`available_memory` needs `total_memory` (or `gpu`) beside it")
+        total_memory = _measure_free_memory()
+    total_memory = _int("total_memory", total_memory, minimum=1)
     src = "given"
     if available_memory is None:
         if weights is None or weights == "auto":
             w, src = weight_bytes(spec)
-            w = math.ceil(w / tp_size)
-        elif isinstance(weights, int) and not isinstance(weights, bool) and weights >= 0:
-            w = weights
         else:
-            raise SizingError(f"`weights` must be bytes (int >= 0) or 'auto', got {weights!r}")
+            w = _int("weights", weights)
+        w = -(-w // tp_size)  # weights are split over the TP ranks
         available_memory = total_memory - w
         if available_memory <= 0:
             raise SizingError(
@@ -209,14 +224,14 @@ def _budget(
                 f"{total_memory} bytes of device memory; raise `tp_size` or use a larger GPU"
             )
     else:
-        w = total_memory - available_memory
+        available_memory = _int("available_memory", available_memory)
+        w = max(total_memory - available_memory, 0)
     b = _core.kv_budget_bytes(total_memory, available_memory, float(mem_frac))
     return Budget(total_memory, available_memory, float(mem_frac), w, src, b)
 
 
-def _measure_device(available_memory: int | None) -> tuple[int, int]:
-    if available_memory is not None:
-        raise SizingError("`available_memory` needs `total_memory` (or `gpu`) beside it")
+def _measure_free_memory() -> int:
+    """Free memory of the current CUDA device (call before loading weights)."""
     try:
         import torch
     except ImportError:
@@ -226,19 +241,18 @@ def _measure_device(available_memory: int | None) -> tuple[int, int]:
             "no memory figures given and no CUDA device to measure: pass `gpu=` (e.g. 'H100'), "
             "or `total_memory=` (and `available_memory=` or `weights=`) in bytes"
         )
-    free, total = torch.cuda.mem_get_info()
-    return int(total), int(free)
+    return int(torch.cuda.mem_get_info()[0])
 
 
 def size_for(
-    model: ModelSpec | str | os.PathLike[str],
+    model: ModelSpec | dict | str | os.PathLike[str],
     dtype: str = "auto",
     mem_frac: float = 0.9,
     *,
     total_memory: int | None = None,
     available_memory: int | None = None,
     gpu: str | None = None,
-    weights: int | str | None = "auto",
+    weights: int | str | None = None,
     page_size: int = 1,
     tp_size: int = 1,
     nvfp4_recipe: str = "linear",
@@ -253,12 +267,14 @@ def size_for(
     where ``total_memory`` is the device memory free before the weights were loaded and
     ``available_memory`` what is free after. Give both; or ``gpu``/``total_memory`` plus
     ``weights`` (``available = total - weights / tp_size``); or nothing, with a CUDA device
-    present (measured with ``torch.cuda.mem_get_info``, call after loading weights).
+    present (its free memory, measured with ``torch.cuda.mem_get_info`` before the weights are
+    loaded, is ``total_memory``; weights as below).
 
     Parameters
     ----------
-    model : ModelSpec, str or path
-        A spec, a config.json / model directory / GGUF path, or a bundled hub id.
+    model : ModelSpec, dict, str or path
+        A spec, a parsed config.json dict, a config.json / model directory / GGUF path, or a
+        bundled hub id (see :func:`kvpool.config.bundled_models`).
     dtype : str
         KV dtype: ``auto`` (the model's dtype), ``fp32``, ``bf16``, ``fp16``, ``fp8``/``fp8_e4m3``,
         ``fp8_e5m2``, ``nvfp4``, ``fp4_mx_block16``.
@@ -268,8 +284,9 @@ def size_for(
         Bytes (see above).
     gpu : str, optional
         A GPU from :data:`kvpool.gpus.GPUS` (its total memory is used as ``total_memory``).
-    weights : int or "auto"
-        Weight bytes of the whole model: ``auto`` reads the checkpoint index of a model
+    weights : int or "auto", optional
+        Weight bytes of the whole model (split over ``tp_size`` ranks); ``auto`` or None (the
+        default, unless ``available_memory`` is given) reads the checkpoint index of a model
         directory, else estimates from the config (see :mod:`kvpool.weights`).
     page_size : int
         Tokens per page (>= 1).
@@ -305,21 +322,22 @@ def size_for(
         The budget cannot hold one page (the message says how many bytes are missing).
     """
     spec = _spec(model, model_dtype)
-    for name, v in (("page_size", page_size), ("tp_size", tp_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SizingError(f"`{name}` must be a non-negative integer, got {v!r}")
-    geometry = spec.geometry(tp_size if tp_size > 0 else 1)
+    page_size = _int("page_size", page_size, exc=_core.LayoutError)
+    tp_size = _int("tp_size", tp_size, minimum=1, exc=_core.ModelConfigError)
+    geometry = spec.geometry(tp_size)
     kw: dict[str, Any] = dict(
         model_dtype=spec.dtype,
         page_size=page_size,
         tp_size=tp_size,
         nvfp4_recipe=nvfp4_recipe,
-        overrides=[(int(k), str(v)) for k, v in (layer_dtypes or {}).items()],
+        overrides=[(_int("layer_dtypes key", k, exc=_core.LayoutError), v)
+                   for k, v in (layer_dtypes or {}).items()],
         sliding_dtype=sliding_dtype,
     )
     if num_tokens is not None:
-        return Plan(_core.plan(geometry, dtype, num_tokens=num_tokens, **kw), spec, tp_size, None)
-    budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, max(tp_size, 1))
+        n = _int("num_tokens", num_tokens)
+        return Plan(_core.plan(geometry, dtype, num_tokens=n, **kw), spec, tp_size, None)
+    budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, tp_size)
     core = _core.plan(geometry, dtype, budget=budget.budget, **kw)
     return Plan(core, spec, tp_size, budget)
 
@@ -329,4 +347,6 @@ def compare(
 ) -> list[Plan]:
     """``size_for`` for each dtype under the same budget (same keyword arguments)."""
     spec = _spec(model, kwargs.pop("model_dtype", None))
+    if isinstance(dtypes, str):
+        dtypes = [dtypes]
     return [size_for(spec, d, **kwargs) for d in dtypes]

@@ -15,11 +15,16 @@ use crate::model::{LayerKind, ModelError, ModelGeometry};
 /// The reserved padding page: never handed out, its rows absorb padded writes.
 pub const PADDING_PAGE: u32 = 0;
 
+/// Largest page size accepted (real engines use 1 to 1,024).
+pub const MAX_PAGE_SIZE: u64 = 1 << 20;
+
 /// Errors of the `layout` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
     #[error("`page_size` must be at least 1, got 0")]
     ZeroPageSize,
+    #[error("`page_size` = {page_size} exceeds {MAX_PAGE_SIZE} tokens")]
+    PageSizeTooLarge { page_size: u64 },
     #[error("{dtype} needs head dims that are multiples of 16 (one block scale per 16 values); layer {layer} has `{which}` = {dim}")]
     BlockMisaligned { dtype: KvDtype, layer: usize, which: &'static str, dim: u64 },
     #[error("nvfp4 recipe `{recipe}` (page-major scales) needs page_size % 4 == 0 and head_dim % 64 == 0; got page_size = {page_size}, head_dim = {head_dim}")]
@@ -167,10 +172,12 @@ pub struct BufferTemplate {
 impl BufferTemplate {
     /// Bytes one row adds (0 for fixed buffers).
     pub fn row_bytes(&self) -> u64 {
-        if self.per_row {
-            self.inner_shape.iter().product::<u64>() * self.elem.bytes()
-        } else {
-            0
+        let elems = self.inner_shape.iter().product::<u64>();
+        match (self.per_row, self.page_major) {
+            // [H, page_size, D/16] is one page's worth: divide by the page's rows.
+            (true, true) => elems / self.inner_shape[1] * self.elem.bytes(),
+            (true, false) => elems * self.elem.bytes(),
+            (false, _) => 0,
         }
     }
 
@@ -221,6 +228,9 @@ impl Layout {
         model.validate()?;
         if config.page_size == 0 {
             return Err(LayoutError::ZeroPageSize);
+        }
+        if config.page_size > MAX_PAGE_SIZE {
+            return Err(LayoutError::PageSizeTooLarge { page_size: config.page_size });
         }
         let heads = model.kv_heads_per_rank(config.tp_size)?;
         let layer_dtypes = resolve_layer_dtypes(model, config)?;
@@ -322,15 +332,19 @@ impl Layout {
     }
 
     /// Rows a pool of `num_tokens` usable tokens allocates: the padding page included.
+    /// `num_tokens` is at most [`crate::sizing::MAX_TOKENS`] (callers check), so this cannot overflow.
     pub const fn rows(&self, num_tokens: u64) -> u64 {
         num_tokens + self.page_size
     }
 
-    /// Every byte a pool of `num_tokens` usable tokens allocates (saturating at `u64::MAX`).
+    /// Every byte a pool of `num_tokens` usable tokens allocates; `None` past `u64::MAX`.
+    pub fn checked_total_bytes(&self, num_tokens: u64) -> Option<u64> {
+        self.rows(num_tokens).checked_mul(self.bytes_per_token())?.checked_add(self.fixed_bytes())
+    }
+
+    /// [`Layout::checked_total_bytes`] saturating at `u64::MAX` (for comparisons against a budget).
     pub fn total_bytes(&self, num_tokens: u64) -> u64 {
-        self.rows(num_tokens)
-            .saturating_mul(self.bytes_per_token())
-            .saturating_add(self.fixed_bytes())
+        self.checked_total_bytes(num_tokens).unwrap_or(u64::MAX)
     }
 
     /// Per-row bytes of one layer's own buffers (the shared workspace not included).

@@ -9,6 +9,11 @@ pub enum ModelError {
     /// A field that must be positive is zero.
     #[error("`{field}` must be positive, got 0")]
     Zero { field: &'static str },
+    /// A number far beyond any real model (guards the byte arithmetic against overflow).
+    #[error("`{field}` = {value} exceeds {limit}; no real model is that large")]
+    TooLarge { field: &'static str, value: u64, limit: u64 },
+    #[error("layer {layer}: unknown layer kind `{name}`; expected full, sliding or linear")]
+    UnknownLayerKind { name: String, layer: usize },
     /// The model has no layer that owns KV pages.
     #[error("the model has no attention layer that stores KV (all {num_layers} layers are linear-attention)")]
     NoKvLayers { num_layers: usize },
@@ -30,6 +35,20 @@ pub enum LayerKind {
 }
 
 impl LayerKind {
+    /// Parses `full`, `sliding` (needs a positive `window`) or `linear`.
+    ///
+    /// # Errors
+    /// [`ModelError::UnknownLayerKind`], or [`ModelError::Zero`] for a sliding layer without a window.
+    pub fn from_name(name: &str, window: Option<u64>, layer: usize) -> Result<Self, ModelError> {
+        match (name, window) {
+            ("full", _) => Ok(Self::Full),
+            ("linear", _) => Ok(Self::Linear),
+            ("sliding", Some(w)) if w > 0 => Ok(Self::Sliding { window: w }),
+            ("sliding", _) => Err(ModelError::Zero { field: "sliding_window" }),
+            _ => Err(ModelError::UnknownLayerKind { name: name.to_owned(), layer }),
+        }
+    }
+
     /// Whether the layer owns token pages in the pool.
     pub const fn stores_kv(self) -> bool {
         !matches!(self, Self::Linear)
@@ -75,6 +94,25 @@ impl ModelGeometry {
         if self.layers.is_empty() {
             return Err(ModelError::Zero { field: "num_hidden_layers" });
         }
+        const MAX_LAYERS: u64 = 1 << 16;
+        const MAX_DIM: u64 = 1 << 20;
+        let n = self.layers.len() as u64;
+        if n > MAX_LAYERS {
+            return Err(ModelError::TooLarge { field: "num_hidden_layers", value: n, limit: MAX_LAYERS });
+        }
+        let mla = self.mla.unwrap_or(Mla { kv_lora_rank: 0, qk_rope_head_dim: 0 });
+        for (field, v) in [
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("v_head_dim", self.v_head_dim),
+            ("kv_lora_rank", mla.kv_lora_rank),
+            ("qk_rope_head_dim", mla.qk_rope_head_dim),
+        ] {
+            if v > MAX_DIM {
+                return Err(ModelError::TooLarge { field, value: v, limit: MAX_DIM });
+            }
+        }
         if self.mla.is_none() {
             for (field, v) in [
                 ("num_attention_heads", self.num_attention_heads),
@@ -116,6 +154,12 @@ impl ModelGeometry {
             return Err(ModelError::TpMismatch { tp_size, num_kv_heads: h });
         }
         Ok((h / tp_size).max(1))
+    }
+
+    /// Per-request linear-attention state summed over layers, per rank: `(conv, ssm)` bytes.
+    pub fn linear_state_bytes(&self) -> (u64, u64) {
+        let n = self.layers.iter().filter(|l| **l == LayerKind::Linear).count() as u64;
+        (n * self.linear_state.conv_bytes, n * self.linear_state.ssm_bytes)
     }
 
     /// Values per token per KV head stored for K and for V (`(k, v)`); MLA stores one latent as

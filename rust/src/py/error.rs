@@ -16,7 +16,7 @@ use crate::Error;
 
 create_exception!(kvpool, KvDtypeError, PyValueError, "Unknown or unusable KV cache dtype.");
 create_exception!(kvpool, ModelConfigError, PyValueError, "Model geometry that kvpool cannot size.");
-create_exception!(kvpool, PoolLayoutError, PyValueError, "A pool layout that cannot be built (page size, block alignment, recipe).");
+create_exception!(kvpool, LayoutError, PyValueError, "A pool layout that cannot be built (page size, block alignment, recipe).");
 create_exception!(kvpool, SizingError, PyValueError, "A memory budget that cannot hold the pool.");
 create_exception!(kvpool, BudgetTooSmallError, SizingError, "The budget cannot hold even one page of the pool.");
 create_exception!(kvpool, OutOfPagesError, PyMemoryError, "Not enough free pages; `requested`, `free` and `evictable` (pages eviction could reclaim) say how many.");
@@ -102,7 +102,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("KvDtypeError", py.get_type::<KvDtypeError>())?;
     m.add("ModelConfigError", py.get_type::<ModelConfigError>())?;
-    m.add("LayoutError", py.get_type::<PoolLayoutError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("SizingError", py.get_type::<SizingError>())?;
     m.add("BudgetTooSmallError", py.get_type::<BudgetTooSmallError>())?;
     m.add("OutOfPagesError", py.get_type::<OutOfPagesError>())?;
@@ -123,7 +123,7 @@ impl From<Error> for PyErr {
         match flatten(e) {
             Error::Dtype(_) => KvDtypeError::new_err(msg),
             Error::Model(_) => ModelConfigError::new_err(msg),
-            Error::Layout(_) => PoolLayoutError::new_err(msg),
+            Error::Layout(_) => LayoutError::new_err(msg),
             Error::Sizing(CoreSizingError::TooSmall { .. } | CoreSizingError::NoBudget { .. }) => {
                 BudgetTooSmallError::new_err(msg)
             }

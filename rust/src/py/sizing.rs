@@ -1,6 +1,6 @@
 //! Bindings of `model`, `layout` and `sizing`: geometry in, plan out.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::error::to_py;
@@ -13,18 +13,6 @@ use crate::sizing::{kv_budget, Plan};
 #[pyclass(name = "ModelGeometry", module = "kvpool._core", frozen)]
 #[derive(Clone)]
 pub(crate) struct PyModelGeometry(ModelGeometry);
-
-fn layer_kind(name: &str, window: Option<u64>, idx: usize) -> PyResult<LayerKind> {
-    match (name, window) {
-        ("full", _) => Ok(LayerKind::Full),
-        ("linear", _) => Ok(LayerKind::Linear),
-        ("sliding", Some(w)) if w > 0 => Ok(LayerKind::Sliding { window: w }),
-        ("sliding", _) => Err(to_py(crate::model::ModelError::Zero { field: "sliding_window" })),
-        _ => Err(PyValueError::new_err(format!(
-            "layer {idx}: unknown layer kind `{name}`; expected full, sliding or linear"
-        ))),
-    }
-}
 
 #[pymethods]
 impl PyModelGeometry {
@@ -46,8 +34,9 @@ impl PyModelGeometry {
         let layers = layer_kinds
             .iter()
             .enumerate()
-            .map(|(i, k)| layer_kind(k, sliding_window, i))
-            .collect::<PyResult<Vec<_>>>()?;
+            .map(|(i, k)| LayerKind::from_name(k, sliding_window, i))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(to_py)?;
         let mla = kv_lora_rank.map(|r| Mla { kv_lora_rank: r, qk_rope_head_dim: qk_rope_head_dim.unwrap_or(0) });
         let g = ModelGeometry {
             layers,
@@ -162,13 +151,12 @@ impl PyPlan {
             .collect()
     }
     /// Bytes one request of `n` tokens holds (sliding layers windowed; see DESIGN.md).
-    fn request_bytes(&self, n: u64) -> u64 {
-        self.plan.request_bytes(&self.model, n)
+    fn request_bytes(&self, n: u64) -> PyResult<u64> {
+        self.plan.request_bytes(&self.model, n).map_err(to_py)
     }
     /// Per-request bytes of linear-attention state (conv, ssm) summed over layers, per rank.
     fn linear_state_bytes(&self) -> (u64, u64) {
-        let n = self.model.layers.iter().filter(|l| **l == LayerKind::Linear).count() as u64;
-        (n * self.model.linear_state.conv_bytes, n * self.model.linear_state.ssm_bytes)
+        self.model.linear_state_bytes()
     }
 }
 
@@ -213,6 +201,7 @@ fn plan(
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("KV_DTYPES", KvDtype::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add_class::<PyModelGeometry>()?;
     m.add_class::<PyPlan>()?;
     m.add_function(wrap_pyfunction!(kv_budget_bytes, m)?)?;

@@ -1,0 +1,917 @@
+"""Fused paged attention over the (quantized) KV cache: launchers, plans, and a torch reference.
+
+Two entry points, each with a Triton path (the fused kernels in ``kvpool.triton_kernels.decode``
+/ ``.extend``: K/V read straight from the paged cache and dequantized in registers) and a torch
+reference path (dequantize with :mod:`kvpool.formats`, then attention in fp32):
+
+- :func:`decode`: one new query token per request, ``q [B, H_q, D]``.
+- :func:`extend`: prefill with a cached prefix, ragged ``q [T, H_q, D]`` (``cu_seqlens_q``).
+
+Shapes and layouts (``R`` rows = token slots, ``slot = page * page_size + offset``, page 0 is the
+padding page; ``H`` KV heads, ``G = H_q / H`` query heads per KV head):
+
+- ``view``: a :class:`kvpool.pool.LayerView` (``k``/``v`` ``[R, H, D]`` in the cache dtype, or
+  ``[R, H, D/2]`` uint8 for FP4; block scales nvfp4 ``[R, H, D/16]`` e4m3, mx ``[R, H*D/16]``
+  uint8; per-tensor ``k_scale``/``v_scale`` ``[1]`` fp32 for fp8 and the nvfp4 global scale).
+- ``page_table``: ``[B, max_pages]`` int32 page ids; entries past ``ceil(seq_len / page_size)``
+  are never read, so they may hold anything.
+- ``seq_lens``: ``[B]`` int32, tokens in the cache per request (new tokens included), >= 1.
+
+Semantics: ``softmax(sm_scale * q . k)`` over the request's tokens, with optional
+soft-capping (logits become ``softcap * tanh(logits / softcap)``, Gemma 2), a sliding window
+(a query at position ``p`` sees positions ``p - window + 1 .. p``, i.e. the last ``window``
+tokens including itself; gpt-oss/Gemma ``sliding_window``), and attention sinks (one logit per
+query head, natural-log units, added to the softmax denominator only; gpt-oss).
+
+Nothing here forces a host sync on the GPU path: shapes drive the launch, device scalars (fp8
+scales, nvfp4 global scales) are read inside the kernels. Plans (:func:`plan_decode`,
+:func:`plan_extend`) hold what depends on the batch but not on the layer and are reused by every
+layer of a forward step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from kvpool import formats
+
+if TYPE_CHECKING:
+    from kvpool.pool import LayerView
+
+__all__ = [
+    "DecodePlan",
+    "ExtendPlan",
+    "decode",
+    "extend",
+    "plan_decode",
+    "plan_extend",
+    "reference_decode",
+    "reference_extend",
+]
+
+Backend = Literal["auto", "triton", "torch"]
+
+# dtype -> (kernel format code, compute dtype of the dots, has per-tensor scale, FP4 factor)
+_KERNEL_FORMAT = {
+    "fp32": (0, torch.float32, False, 1.0),
+    "bf16": (0, torch.bfloat16, False, 1.0),
+    "fp16": (0, torch.float16, False, 1.0),
+    "fp8_e4m3": (1, torch.float16, True, 1.0),
+    "fp8_e5m2": (1, torch.float16, True, 1.0),
+    "nvfp4": (2, torch.float16, True, 64.0),
+    "fp4_mx_block16": (3, torch.bfloat16, False, 1.0),
+}
+_STORAGE = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "nvfp4": torch.uint8,
+    "fp4_mx_block16": torch.uint8,
+}
+_Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SM_COUNT: dict[int, int] = {}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check(name: str, t, *, shape=None, dtype=None, device=None, ndim=None) -> torch.Tensor:
+    """Raise ValueError naming ``name`` unless ``t`` has this shape/dtype/device.
+
+    ``None`` entries of ``shape`` match anything.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"`{name}` must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(
+            s is not None and s != a for s, a in zip(shape, t.shape, strict=True)
+        ):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"`{name}` must have shape {want}, got {list(t.shape)}")
+    if dtype is not None:
+        ok = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in ok:
+            raise ValueError(f"`{name}` must be {' or '.join(map(str, ok))}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"`{name}` is on {t.device}, expected {device}")
+    return t
+
+
+def _check_view(view: LayerView) -> None:
+    if view.v is None:
+        raise ValueError(
+            f"`view` (layer {view.layer}) is an MLA layer: fused MLA attention is not supported"
+        )
+    if view.dtype not in _KERNEL_FORMAT:
+        raise ValueError(
+            f"`view.dtype` = {view.dtype!r} is not a KV dtype ({', '.join(_KERNEL_FORMAT)})"
+        )
+    fp4 = view.dtype in ("nvfp4", "fp4_mx_block16")
+    h, d, dv = view.num_kv_heads, view.head_dim, view.v_head_dim
+    want = _STORAGE[view.dtype]
+    _check("view.k", view.k, shape=[None, h, d // 2 if fp4 else d], dtype=want)
+    _check("view.v", view.v, shape=[view.k.shape[0], h, dv // 2 if fp4 else dv], dtype=want)
+    for name, t in (("view.k", view.k), ("view.v", view.v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"`{name}` must be contiguous within a row (strides {t.stride()})")
+    if fp4:
+        if view.k_block_scale is None or view.v_block_scale is None:
+            raise ValueError(f"`view` is {view.dtype} but has no block scales")
+        for name, t, dd in (
+            ("view.k_block_scale", view.k_block_scale, d),
+            ("view.v_block_scale", view.v_block_scale, dv),
+        ):
+            if (
+                t.shape[0] != view.k.shape[0]
+                or t[0].numel() != h * dd // 16
+                or not t.is_contiguous()
+            ):
+                raise ValueError(
+                    f"`{name}` must hold {h * dd // 16} contiguous scales per row, "
+                    f"got shape {list(t.shape)}"
+                )
+    if _KERNEL_FORMAT[view.dtype][2] and (view.k_scale is None or view.v_scale is None):
+        raise ValueError(f"`view` is {view.dtype} but has no k_scale/v_scale")
+    for name, n in (("head_dim", d), ("v_head_dim", dv)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"`view.{name}` = {n}: the kernels need a power of two >= 16")
+    ps = view.page_size
+    if ps < 1 or ps & (ps - 1):
+        raise ValueError(f"`view.page_size` = {ps}: the kernels need a power of two")
+
+
+def _group(view: LayerView, num_q_heads: int) -> int:
+    h = view.num_kv_heads
+    if num_q_heads % h:
+        raise ValueError(f"`q` has {num_q_heads} heads, not a multiple of the {h} KV heads")
+    return num_q_heads // h
+
+
+def _sm_scale(sm_scale, head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    s = float(sm_scale)
+    if not (s > 0 and math.isfinite(s)):
+        raise ValueError(f"`sm_scale` = {sm_scale}: must be finite and > 0")
+    return s
+
+
+def _check_options(window, softcap, sinks, num_q_heads: int, device) -> None:
+    if window is not None and (int(window) != window or window < 1):
+        raise ValueError(f"`window` = {window}: must be an int >= 1 (tokens, the query included)")
+    if softcap is not None and not (float(softcap) > 0 and math.isfinite(float(softcap))):
+        raise ValueError(f"`softcap` = {softcap}: must be finite and > 0")
+    if sinks is not None:
+        _check("sinks", sinks, shape=[num_q_heads], device=device, dtype=_Q_DTYPES)
+
+
+def _use_triton(backend: str, q: torch.Tensor) -> bool:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"`backend` = {backend!r}: expected 'auto', 'triton' or 'torch'")
+    if backend == "auto":
+        return q.is_cuda
+    return backend == "triton"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _asm_ok(dtype: str) -> bool:
+    """Whether the word-level FP4 decode applies (FP4 caches).
+
+    The default for FP4 decode (``asm=None``): on the H200 it took nvfp4 decode at B=64/8k from
+    0.721 ms to 0.489 ms, and the fixed version passed every decode GPU test (run 4,
+    benches/attention/results/run4_h200). Extend keeps it opt-in: its GPU tests have not run.
+    """
+    return dtype in ("nvfp4", "fp4_mx_block16")
+
+
+def _asm_mode(asm: bool) -> int:
+    """Kernel ``ASM`` constant: 0 off, 1 inline PTX, 2 its plain-Triton emulation.
+
+    The CPU interpreter cannot run PTX, so it runs the emulation.
+    """
+    return (2 if _interpreting() else 1) if asm else 0
+
+
+def default_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """KV splits per request for :func:`decode`.
+
+    Enough programs for about 4 per multiprocessor, at least 256 tokens per split, at most 128.
+    """
+    programs = batch * kv_heads
+    want = -(-4 * _num_sms(torch.device(device)) // max(programs, 1))
+    return max(1, min(want, -(-max_seq_len // 256), 128))
+
+
+@dataclass
+class DecodePlan:
+    """Launch metadata of :func:`decode` for one batch, reused by every layer.
+
+    Attributes
+    ----------
+    page_table : torch.Tensor
+        ``[B, max_pages]`` int32.
+    seq_lens : torch.Tensor
+        ``[B]`` int32.
+    num_splits : int
+        KV splits per request (flash-decoding); 1 writes the output directly.
+    block_n, num_warps, num_stages : int
+        Kernel tile (tokens per step) and launch options.
+    use_dot : bool
+        Tensor-core dots (query group padded to 16 rows) or CUDA-core FMA (group unpadded).
+    prefetch : bool
+        Issue the next tile's loads before the current tile's math (register double buffer).
+    asm : bool
+        FP4 only, opt-in: decode nibbles with inline PTX on 32-bit words (GPU); else plain
+        Triton ops (also what the CPU interpreter runs).
+    ablate : int
+        Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
+        are wrong when nonzero.
+    part_out, part_lse : torch.Tensor or None
+        fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_q_heads: int
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool
+    prefetch: bool
+    asm: bool
+    ablate: int
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+
+
+def plan_decode(
+    view: LayerView,
+    num_q_heads: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    use_dot: bool | None = None,
+    prefetch: bool | None = None,
+    asm: bool | None = None,
+    ablate: int = 0,
+) -> DecodePlan:
+    """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
+
+    Parameters
+    ----------
+    view : LayerView
+        Any layer of the pool (only its geometry is used).
+    num_q_heads : int
+        Query heads per rank.
+    page_table, seq_lens : torch.Tensor
+        As in :func:`decode`.
+    max_seq_len : int, optional
+        Longest request in tokens, if known on the host; sizes the splits (default: the page
+        table's capacity, ``max_pages * page_size``). No device value is read.
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm : optional
+        Override the heuristics (benchmarks, tuning).
+    ablate : int
+        Benchmarks only (see :class:`DecodePlan`).
+    """
+    _check_view(view)
+    _group(view, num_q_heads)
+    dev = view.k.device
+    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
+    b = page_table.shape[0]
+    cap = page_table.shape[1] * view.page_size
+    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    if use_dot is None:
+        use_dot = True
+    # Measured on the H200 (benches/attention): fp8 is fastest with 128-token tiles and 3
+    # stages; FP4 with the word-level decode (asm) and 128-token tiles (run 4).
+    fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
+    if asm is None:
+        asm = use_dot and _asm_ok(view.dtype)
+    if block_n is None:
+        block_n = (128 if fp8 or asm else 64) if use_dot else 32
+    if num_stages is None:
+        num_stages = 3 if fp8 else 2
+    if num_splits is None:
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev)
+    if num_splits < 1:
+        raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
+    part_out = part_lse = None
+    if num_splits > 1:
+        part_out = torch.empty(
+            b, num_q_heads, num_splits, view.v_head_dim, dtype=torch.float32, device=dev
+        )
+        part_lse = torch.empty(b, num_q_heads, num_splits, dtype=torch.float32, device=dev)
+    return DecodePlan(
+        page_table=page_table,
+        seq_lens=seq_lens,
+        num_q_heads=num_q_heads,
+        num_splits=num_splits,
+        block_n=block_n,
+        num_warps=4 if num_warps is None else num_warps,
+        num_stages=num_stages,
+        use_dot=use_dot,
+        prefetch=bool(prefetch),
+        asm=bool(asm) and _asm_ok(view.dtype),
+        ablate=int(ablate),
+        part_out=part_out,
+        part_lse=part_lse,
+    )
+
+
+@dataclass
+class ExtendPlan:
+    """Launch metadata of :func:`extend` for one batch, reused by every layer.
+
+    Attributes
+    ----------
+    cu_seqlens_q, page_table, seq_lens : torch.Tensor
+        As in :func:`extend`.
+    work : torch.Tensor or None
+        ``[n, 2]`` int32 (request, first new token of the block) of every non-empty block;
+        None launches one program per possible block and lets empty ones exit.
+    block_t, block_n, num_warps, num_stages : int
+        New tokens per program (times the padded group = rows), KV tile, launch options.
+    asm : bool
+        FP4 only, opt-in: inline-PTX nibble decode (see :class:`DecodePlan`).
+    """
+
+    cu_seqlens_q: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    work: torch.Tensor | None
+    block_t: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    asm: bool = False
+
+
+def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stages):
+    """Extend tile defaults, measured on the H200 (benches/attention).
+
+    64 rows of (token, head) per program; 16-bit caches pipeline 3 stages, fp8 takes KV tiles
+    of 128.
+    """
+    gp = _pow2(group)
+    if block_t is None:
+        block_t = max(1, 64 // gp) if gp <= 64 else 1
+    if block_n is None:
+        block_n = 128 if dtype in ("fp8_e4m3", "fp8_e5m2") else 64
+    if num_stages is None:
+        num_stages = 3 if dtype in ("bf16", "fp16") else 2
+    return block_t, block_n, (4 if num_warps is None else num_warps), num_stages
+
+
+def plan_extend(
+    view: LayerView,
+    num_q_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    asm: bool = False,
+) -> ExtendPlan:
+    """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
+
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer).
+    """
+    _check_view(view)
+    g = _group(view, num_q_heads)
+    dev = view.k.device
+    block_t, block_n, num_warps, num_stages = _extend_tiles(
+        view.dtype, g, block_t, block_n, num_warps, num_stages
+    )
+    _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
+    cu = cu_seqlens_q.cpu().tolist()
+    work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
+    work_t = torch.tensor(work or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(dev)
+    if not work:
+        work_t = work_t[:0]
+    return ExtendPlan(
+        cu_seqlens_q,
+        page_table,
+        seq_lens,
+        work_t,
+        block_t,
+        block_n,
+        num_warps,
+        num_stages,
+        bool(asm) and _asm_ok(view.dtype),
+    )
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def decode(
+    view: LayerView,
+    q: torch.Tensor,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: Backend = "auto",
+    plan: DecodePlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of one new token per request over the paged cache of one layer.
+
+    Parameters
+    ----------
+    view : LayerView
+        The layer's buffers (any KV dtype; MLA layers are not supported).
+    q : torch.Tensor
+        ``[B, H_q, D]`` fp32/bf16/fp16, ``H_q`` a multiple of the KV heads; the query of the
+        token at position ``seq_len - 1`` (its K/V already written).
+    page_table : torch.Tensor
+        ``[B, max_pages]`` int32 (omit when ``plan`` is given).
+    seq_lens : torch.Tensor
+        ``[B]`` int32, each in ``1 .. max_pages * page_size`` (omit when ``plan`` is given).
+    sm_scale : float, optional
+        Softmax scale (None: ``1 / sqrt(D)``).
+    window : int, optional
+        Sliding window in tokens (the query's own token included).
+    sinks : torch.Tensor, optional
+        ``[H_q]`` per-head sink logits (natural-log units).
+    softcap : float, optional
+        Logit soft-capping ``c`` (``c * tanh(x / c)``).
+    backend : {"auto", "triton", "torch"}
+        ``auto``: Triton for CUDA tensors, else the torch reference.
+    plan : DecodePlan, optional
+        From :func:`plan_decode`, shared by every layer of the batch.
+    out : torch.Tensor, optional
+        ``[B, H_q, Dv]`` in ``q``'s dtype to write into.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H_q, Dv]`` in ``q``'s dtype.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong shape, dtype or device (the message names it), a bad option.
+    """
+    _check_view(view)
+    dev = view.k.device
+    _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
+    bsz, hq, d = q.shape
+    if d != view.head_dim:
+        raise ValueError(f"`q` head dim is {d}, the cache stores {view.head_dim}")
+    if q.stride(2) != 1:
+        raise ValueError("`q` must be contiguous in its last dim")
+    g = _group(view, hq)
+    if plan is not None:
+        if page_table is None:
+            page_table = plan.page_table
+        if seq_lens is None:
+            seq_lens = plan.seq_lens
+        if plan.num_q_heads != hq:
+            raise ValueError(f"`plan` was made for {plan.num_q_heads} query heads, `q` has {hq}")
+    if page_table is None or seq_lens is None:
+        raise ValueError("`page_table` and `seq_lens` are required without a `plan`")
+    _check("page_table", page_table, shape=[bsz, None], dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
+    scale = _sm_scale(sm_scale, d)
+    _check_options(window, softcap, sinks, hq, dev)
+    if out is None:
+        out = torch.empty(bsz, hq, view.v_head_dim, dtype=q.dtype, device=dev)
+    else:
+        _check("out", out, shape=[bsz, hq, view.v_head_dim], dtype=q.dtype, device=dev)
+    if not _use_triton(backend, q):
+        out.copy_(
+            reference_decode(
+                view,
+                q,
+                page_table,
+                seq_lens,
+                sm_scale=scale,
+                window=window,
+                sinks=sinks,
+                softcap=softcap,
+            )
+        )
+        return out
+    if bsz == 0:
+        return out
+    if plan is None:
+        plan = plan_decode(view, hq, page_table, seq_lens)
+    elif plan.page_table.shape[0] != bsz:
+        raise ValueError(f"`plan` was made for {plan.page_table.shape[0]} requests, `q` has {bsz}")
+
+    from kvpool.triton_kernels.decode import decode_kernel, merge_kernel
+
+    fmt, _, has_scale, fp4_mul = _KERNEL_FORMAT[view.dtype]
+    cdt = _compute_dtype(view.dtype)
+    kbs, vbs, ksc, vsc = _scale_args(view)
+    s = plan.num_splits
+    gp = max(16, _pow2(g)) if plan.use_dot else _pow2(g)
+    dummy = out
+    decode_kernel[(bsz, view.num_kv_heads, s)](
+        q,
+        view.k,
+        view.v,
+        kbs,
+        vbs,
+        ksc,
+        vsc,
+        page_table,
+        seq_lens,
+        sinks if sinks is not None else dummy,
+        out,
+        plan.part_out if s > 1 else dummy,
+        plan.part_lse if s > 1 else dummy,
+        q.stride(0),
+        q.stride(1),
+        view.k.stride(0),
+        view.v.stride(0),
+        _row_stride(kbs, view),
+        _row_stride(vbs, view),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        float(softcap or 1.0),
+        int(window or 0),
+        view.page_size.bit_length() - 1,
+        s,
+        G=g,
+        GP=gp,
+        D=d,
+        DV=view.v_head_dim,
+        BLOCK_N=plan.block_n,
+        FINAL=s == 1,
+        FMT=fmt,
+        CDT=_tl_dtype(cdt),
+        IS_F32=cdt == torch.float32,
+        USE_DOT=plan.use_dot,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        PREFETCH=plan.prefetch,
+        ABLATE=plan.ablate,
+        ASM=_asm_mode(plan.asm),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    if s > 1:
+        merge_kernel[(bsz, hq)](
+            plan.part_out,
+            plan.part_lse,
+            sinks if sinks is not None else dummy,
+            vsc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            hq,
+            s,
+            DV=view.v_head_dim,
+            SP=max(16, _pow2(s)),
+            HAS_SCALE=has_scale,
+            FP4_MUL=fp4_mul,
+            HAS_SINKS=sinks is not None,
+            num_warps=4,
+        )
+    return out
+
+
+def _scale_args(view: LayerView):
+    # block scales go in as bytes (nvfp4's e4m3 bits are reinterpreted in the kernel)
+    kbs = view.k_block_scale.view(torch.uint8) if view.k_block_scale is not None else view.k
+    vbs = view.v_block_scale.view(torch.uint8) if view.v_block_scale is not None else view.v
+    ksc = view.k_scale if view.k_scale is not None else view.k
+    vsc = view.v_scale if view.v_scale is not None else view.v
+    return kbs, vbs, ksc, vsc
+
+
+def _row_stride(bs: torch.Tensor, view: LayerView) -> int:
+    return bs.stride(0) if view.k_block_scale is not None else 0
+
+
+def _compute_dtype(dtype: str) -> torch.dtype:
+    cdt = _KERNEL_FORMAT[dtype][1]
+    # The Triton CPU interpreter computes bf16 dots on the raw bits (seen with triton 3.9:
+    # errors of 1e10); interpreted runs check indexing and scales, so they use fp32 dots there.
+    if cdt == torch.bfloat16 and _interpreting():
+        return torch.float32
+    return cdt
+
+
+def _tl_dtype(dt: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dt]
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+def extend(
+    view: LayerView,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: Backend = "auto",
+    plan: ExtendPlan | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Extend attention: new tokens of a ragged batch attend causally to their whole sequence.
+
+    Request ``b``'s new tokens are ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``; they are the last
+    ``q_len_b`` of its ``seq_lens[b]`` tokens, whose K/V (prefix and new) are already in the
+    cache, so the cached prefix is ``seq_lens[b] - q_len_b`` tokens (0 for a plain prefill).
+
+    Parameters
+    ----------
+    view : LayerView
+        The layer's buffers.
+    q : torch.Tensor
+        ``[T, H_q, D]`` fp32/bf16/fp16, ``T = cu_seqlens_q[-1]``.
+    cu_seqlens_q : torch.Tensor
+        ``[B + 1]`` int32, non-decreasing from 0 (omit when ``plan`` is given).
+    page_table : torch.Tensor
+        ``[B, max_pages]`` int32.
+    seq_lens : torch.Tensor
+        ``[B]`` int32, ``seq_lens[b] >= q_len_b``.
+    sm_scale, window, sinks, softcap, backend, out
+        As in :func:`decode` (``out`` is ``[T, H_q, Dv]``).
+    plan : ExtendPlan, optional
+        From :func:`plan_extend`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H_q, Dv]`` in ``q``'s dtype.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong shape, dtype or device (the message names it), a bad option.
+    """
+    _check_view(view)
+    dev = view.k.device
+    _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
+    t, hq, d = q.shape
+    if d != view.head_dim:
+        raise ValueError(f"`q` head dim is {d}, the cache stores {view.head_dim}")
+    if q.stride(2) != 1:
+        raise ValueError("`q` must be contiguous in its last dim")
+    g = _group(view, hq)
+    if plan is not None:
+        cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
+        page_table = plan.page_table if page_table is None else page_table
+        seq_lens = plan.seq_lens if seq_lens is None else seq_lens
+    if cu_seqlens_q is None or page_table is None or seq_lens is None:
+        raise ValueError(
+            "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"
+        )
+    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
+    bsz = page_table.shape[0]
+    _check("cu_seqlens_q", cu_seqlens_q, shape=[bsz + 1], dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
+    scale = _sm_scale(sm_scale, d)
+    _check_options(window, softcap, sinks, hq, dev)
+    if out is None:
+        out = torch.empty(t, hq, view.v_head_dim, dtype=q.dtype, device=dev)
+    else:
+        _check("out", out, shape=[t, hq, view.v_head_dim], dtype=q.dtype, device=dev)
+    if not _use_triton(backend, q):
+        out.copy_(
+            reference_extend(
+                view,
+                q,
+                cu_seqlens_q,
+                page_table,
+                seq_lens,
+                sm_scale=scale,
+                window=window,
+                sinks=sinks,
+                softcap=softcap,
+            )
+        )
+        return out
+    if t == 0 or bsz == 0:
+        return out
+
+    from kvpool.triton_kernels.extend import extend_kernel
+
+    if plan is not None:
+        block_t, block_n, nw, ns = plan.block_t, plan.block_n, plan.num_warps, plan.num_stages
+        work = plan.work
+        grid0 = work.shape[0]
+        blocks_per_req = 1
+    else:
+        block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
+        work = None
+        blocks_per_req = -(-t // block_t)
+        grid0 = bsz * blocks_per_req
+    if grid0 == 0:
+        return out
+    fmt, _, has_scale, fp4_mul = _KERNEL_FORMAT[view.dtype]
+    cdt = _compute_dtype(view.dtype)
+    kbs, vbs, ksc, vsc = _scale_args(view)
+    dummy = out
+    extend_kernel[(grid0, view.num_kv_heads)](
+        q,
+        view.k,
+        view.v,
+        kbs,
+        vbs,
+        ksc,
+        vsc,
+        page_table,
+        seq_lens,
+        cu_seqlens_q,
+        work if work is not None else cu_seqlens_q,
+        sinks if sinks is not None else dummy,
+        out,
+        q.stride(0),
+        q.stride(1),
+        view.k.stride(0),
+        view.v.stride(0),
+        _row_stride(kbs, view),
+        _row_stride(vbs, view),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        float(softcap or 1.0),
+        int(window or 0),
+        blocks_per_req,
+        view.page_size.bit_length() - 1,
+        G=g,
+        GP=_pow2(g),
+        D=d,
+        DV=view.v_head_dim,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        FMT=fmt,
+        CDT=_tl_dtype(cdt),
+        IS_F32=cdt == torch.float32,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        USE_WORK=work is not None,
+        ASM=_asm_mode(plan is not None and plan.asm),
+        num_warps=nw,
+        num_stages=ns,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def _gather_dequant(view: LayerView, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the given slots, dequantized to fp32 ``[L, H, D]`` / ``[L, H, Dv]``."""
+    h = view.num_kv_heads
+    out = []
+    for data, bs, sc in (
+        (view.k, view.k_block_scale, view.k_scale),
+        (view.v, view.v_block_scale, view.v_scale),
+    ):
+        x = data[slots]
+        b = None
+        if bs is not None:
+            b = bs[slots].reshape(len(slots), h, -1)
+        scale = sc.reshape(()) if sc is not None else 1.0
+        out.append(formats.dequantize(x, b, view.dtype, scale=scale))
+    return out[0], out[1]
+
+
+def _attend(q, k, v, pos, *, sm_scale, window, sinks, softcap):
+    """fp32 attention of ``q [n, H_q, D]`` at positions ``pos [n]`` over ``k/v [L, H, *]``."""
+    hq, hk = q.shape[1], k.shape[1]
+    g = hq // hk
+    k = k.repeat_interleave(g, dim=1)  # [L, H_q, D]
+    v = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.float(), k) * sm_scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    j = torch.arange(k.shape[0], device=q.device)
+    keep = j[None, :] <= pos[:, None]
+    if window is not None:
+        keep &= j[None, :] > pos[:, None] - window
+    s = s.masked_fill(~keep[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(hq, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v)
+
+
+def _slots(view: LayerView, page_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    pos = torch.arange(n, device=page_table.device)
+    pages = page_table[b, pos // view.page_size].long()
+    return pages * view.page_size + pos % view.page_size
+
+
+def reference_decode(
+    view, q, page_table, seq_lens, *, sm_scale=None, window=None, sinks=None, softcap=None
+) -> torch.Tensor:
+    """Torch reference of :func:`decode`: dequantize, then attention in fp32.
+
+    Each request's slots are dequantized with :mod:`kvpool.formats`; only slots below
+    ``seq_len`` are read. Returns ``[B, H_q, Dv]`` fp32.
+    """
+    scale = _sm_scale(sm_scale, q.shape[-1])
+    lens = seq_lens.cpu().tolist()
+    res = torch.empty(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(lens):
+        if n < 1:
+            raise ValueError(f"`seq_lens[{b}]` = {n}: decode needs at least one token")
+        k, v = _gather_dequant(view, _slots(view, page_table, b, n))
+        pos = torch.tensor([n - 1], device=q.device)
+        res[b] = _attend(
+            q[b : b + 1], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
+        )[0]
+    return res
+
+
+def reference_extend(
+    view,
+    q,
+    cu_seqlens_q,
+    page_table,
+    seq_lens,
+    *,
+    sm_scale=None,
+    window=None,
+    sinks=None,
+    softcap=None,
+) -> torch.Tensor:
+    """Torch reference of :func:`extend`: dequantize, then causal attention in fp32.
+
+    Returns ``[T, H_q, Dv]`` fp32.
+    """
+    scale = _sm_scale(sm_scale, q.shape[-1])
+    cu = cu_seqlens_q.cpu().tolist()
+    lens = seq_lens.cpu().tolist()
+    res = torch.zeros(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(lens):
+        a, e = cu[b], cu[b + 1]
+        if e == a:
+            continue
+        if n < e - a:
+            raise ValueError(f"`seq_lens[{b}]` = {n} is shorter than its {e - a} new tokens")
+        k, v = _gather_dequant(view, _slots(view, page_table, b, n))
+        pos = torch.arange(n - (e - a), n, device=q.device)
+        res[a:e] = _attend(
+            q[a:e], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
+        )
+    return res

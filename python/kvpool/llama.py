@@ -1,0 +1,409 @@
+"""A compact torch Llama-family forward whose attention runs through a :class:`~kvpool.KVPool`.
+
+This is the reference client of the pool API: each layer projects Q/K/V, applies RoPE, stores K
+(after RoPE, as the cache keeps it) and V with ``pool.write(layer, loc, k, v)`` and attends with
+``pool.extend`` (prefill, several new tokens per request) or ``pool.decode`` (one new token per
+request; both :mod:`kvpool.attention`), reading every key and value back from the pool. The
+attention plan (launch metadata) is made once per step and shared by all layers.
+The fidelity harness (:mod:`kvpool.fidelity`), the tests and ``examples/serve.py`` drive it.
+It is not a serving engine: no sampling policy, no scheduler, no tensor parallelism; batching
+metadata comes from the caller as a :class:`Step`.
+
+:meth:`Llama.forward_reference` runs the same weights with an ordinary contiguous full-precision
+cache (plain tensors, :func:`torch.nn.functional.scaled_dot_product_attention`), the yardstick
+every KV dtype is judged against.
+
+Loads a GGUF file (dequantized to float32, see :mod:`kvpool.gguf`) or a Hugging Face model
+directory (``config.json`` + ``*.safetensors``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kvpool._core import ModelConfigError
+from kvpool.config import ModelSpec
+
+if TYPE_CHECKING:
+    from kvpool.pool import KVPool
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Step:
+    """Layer-independent metadata of one forward step.
+
+    A batch of ``B`` requests adds ``T`` tokens in total (packed request after request).
+
+    Attributes
+    ----------
+    positions : torch.Tensor
+        ``[T]`` int64, the position of each new token in its sequence.
+    out_loc : torch.Tensor
+        ``[T]`` int64, the pool slot (``page * page_size + offset``) each new token's K/V goes to.
+    page_table : torch.Tensor
+        ``[B, max_pages]`` int32, each request's pages in order (unused entries: 0, the padding
+        page).
+    seq_lens : torch.Tensor
+        ``[B]`` int32, tokens of each request in the cache after this step (prefix + new).
+    cu_seqlens_q : torch.Tensor
+        ``[B + 1]`` int32; request ``b``'s new tokens are rows
+        ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+    """
+
+    positions: torch.Tensor
+    out_loc: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per request: attention goes through ``pool.decode``."""
+        return self.positions.numel() == self.seq_lens.numel()
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """``[B]`` int64, the row of each request's last new token in the packed ``[T]`` order."""
+        return self.cu_seqlens_q[1:].to(torch.int64) - 1
+
+    def to(self, device: torch.device | str) -> Step:
+        """Copy the metadata to ``device``."""
+        return Step(*(t.to(device, non_blocking=True) for t in self.__dict__.values()))
+
+    @classmethod
+    def build(
+        cls,
+        pages: list[Any],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> Step:
+        """Build the metadata with kvpool's Rust batch helpers.
+
+        Request ``i`` holds ``pages[i]`` (page ids covering at least
+        ``prefix_lens[i] + extend_lens[i]`` tokens) and adds ``extend_lens[i]`` tokens after
+        ``prefix_lens[i]`` cached ones.
+
+        Raises
+        ------
+        ValueError
+            A request's pages do not cover its tokens, or the lists differ in length.
+        """
+        import numpy as np
+
+        from kvpool import extend_slots, page_table
+
+        if not (len(pages) == len(prefix_lens) == len(extend_lens)):
+            raise ValueError(
+                "`pages`, `prefix_lens` and `extend_lens` must have one entry per request"
+            )
+        pre = np.asarray(prefix_lens, dtype=np.int64).reshape(-1)
+        ext = np.asarray(extend_lens, dtype=np.int64).reshape(-1)
+        seq = pre + ext
+        rows = [np.asarray(p, dtype=np.int32).reshape(-1) for p in pages]
+        for i, r in enumerate(rows):
+            if r.size * page_size < seq[i]:
+                raise ValueError(
+                    f"request {i}: {r.size} pages of {page_size} tokens cannot hold {seq[i]} tokens"
+                )
+        # Rust batch helpers: the page table and the slots of the new tokens.
+        table = page_table(rows, max(max((r.size for r in rows), default=0), 1))
+        slots = extend_slots(table, pre, seq, page_size)
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(ext)
+        positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - pre, ext)
+        step = cls(
+            positions=torch.from_numpy(positions),
+            out_loc=torch.from_numpy(np.asarray(slots, dtype=np.int64)),
+            page_table=torch.from_numpy(table),
+            seq_lens=torch.from_numpy(seq.astype(np.int32)),
+            cu_seqlens_q=torch.from_numpy(cu),
+        )
+        return step.to(device) if torch.device(device).type != "cpu" else step
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Llama:
+    """Llama-family decoder with its weights as plain tensors.
+
+    SmolLM2, Llama 2/3 without RoPE scaling, Mistral without sliding window.
+
+    Parameters
+    ----------
+    config : dict
+        Hugging Face style config (``hidden_size``, ``num_hidden_layers``, ...).
+    weights : dict of str to torch.Tensor
+        Hugging Face names (``model.layers.0.self_attn.q_proj.weight``, ...).
+    spec : ModelSpec
+        Geometry (and compute dtype) of the model, as the pool is sized for it.
+    device : str or torch.device
+        Where the weights live.
+
+    Attributes
+    ----------
+    attn_backend : str
+        ``backend`` of :func:`kvpool.attention.decode` / ``extend``: ``auto`` (Triton on CUDA,
+        the torch reference on CPU), ``triton`` or ``torch``.
+
+    Raises
+    ------
+    ModelConfigError
+        RoPE scaling, partial rotary or biases (not handled by this compact forward), or a
+        missing weight (named).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        weights: dict[str, torch.Tensor],
+        spec: ModelSpec,
+        device: str | torch.device = "cpu",
+    ):
+        self.config, self.spec = config, spec
+        self.dtype = _TORCH_DTYPES[spec.dtype]
+        self.device = torch.device(device)
+        self.attn_backend = "auto"
+        if config.get("rope_scaling") or config.get("rope_dim", spec.head_dim) != spec.head_dim:
+            raise ModelConfigError(
+                "this compact Llama handles plain RoPE over the whole head only; "
+                f"got rope_scaling={config.get('rope_scaling')!r}, "
+                f"rope_dim={config.get('rope_dim')}"
+            )
+        self.num_layers = spec.num_layers
+        self.hq, self.hkv, self.d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        theta = float(config.get("rope_theta", 10000.0))
+        self.inv_freq = 1.0 / theta ** (
+            torch.arange(0, self.d, 2, dtype=torch.int64, device=self.device).float() / self.d
+        )
+        self.scale = 1.0 / math.sqrt(self.d)
+        self.w: dict[str, torch.Tensor] = {}
+        for k, v in weights.items():
+            if k.endswith(".bias"):
+                raise ModelConfigError(f"weight `{k}`: this compact Llama has no biases")
+            self.w[k] = v.to(device=self.device, dtype=self.dtype)
+        if "lm_head.weight" not in self.w:
+            if not config.get("tie_word_embeddings", False):
+                raise ModelConfigError("no `lm_head.weight` and `tie_word_embeddings` is false")
+            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        for i in range(self.num_layers):
+            for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+                      "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+                if f"model.layers.{i}.{n}.weight" not in self.w:
+                    raise ModelConfigError(f"missing weight `model.layers.{i}.{n}.weight`")
+        # Fused QKV and gate/up projections: one matmul each.
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            self.w[p + "qkv"] = torch.cat(
+                [self.w[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], 0
+            ).contiguous()
+            self.w[p + "gate_up"] = torch.cat(
+                [self.w[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")], 0
+            ).contiguous()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dtype: str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> Llama:
+        """Load a GGUF file or a Hugging Face model directory.
+
+        Parameters
+        ----------
+        path : str or path
+            ``*.gguf`` (dequantized to float32) or a directory with ``config.json`` and
+            ``*.safetensors``.
+        dtype : str, optional
+            Compute dtype (``fp32``, ``bf16``, ``fp16``); default: fp32 for GGUF, the config's
+            ``torch_dtype`` for a directory.
+        device : str or torch.device
+            Where the weights go.
+
+        Raises
+        ------
+        ModelConfigError
+            Unreadable model, missing weights, unsupported architecture features.
+        """
+        p = Path(os.fspath(path))
+        spec = ModelSpec.from_pretrained(p, dtype=dtype)
+        if p.suffix == ".gguf":
+            from kvpool.gguf import load_gguf_weights
+
+            config, weights = load_gguf_weights(p)
+        else:
+            from safetensors.torch import load_file
+
+            config = json.loads((p / "config.json").read_text())
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise ModelConfigError(f"model directory `{p}` has no *.safetensors files")
+            weights = {}
+            for f in files:
+                weights.update(load_file(f))
+        return cls(config, weights, spec, device)
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; half-split rotation (Hugging Face layout), angles in float32.
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+        return x * cos + _rotate_half(x) * sin
+
+    def _qkv(self, i: int, h: torch.Tensor, positions: torch.Tensor):
+        p = f"model.layers.{i}."
+        x = _rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
+        qkv = x @ self.w[p + "qkv"].T
+        nq, nk = self.hq * self.d, self.hkv * self.d
+        q = qkv[:, :nq].reshape(-1, self.hq, self.d)
+        k = qkv[:, nq : nq + nk].reshape(-1, self.hkv, self.d)
+        v = qkv[:, nq + nk :].reshape(-1, self.hkv, self.d)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{i}."
+        o = attn.reshape(h.shape[0], -1).to(self.dtype)
+        h = h + o @ self.w[p + "self_attn.o_proj.weight"].T
+        x = _rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
+        gate, up = (x @ self.w[p + "gate_up"].T).chunk(2, dim=-1)
+        return h + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` float32 logits of hidden states ``[N, hidden]`` (final norm + head)."""
+        x = _rms_norm(h, self.w["model.norm.weight"], self.eps)
+        return (x @ self.w["lm_head.weight"].T).float()
+
+    # ------------------------------------------------------------------ through the pool
+    @torch.inference_mode()
+    def forward(
+        self, pool: KVPool, input_ids: torch.Tensor, step: Step, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run ``T`` new tokens of ``B`` requests through the model, K/V stored in ``pool``.
+
+        Parameters
+        ----------
+        pool : KVPool
+            Sized for this model (``plan.spec`` geometry), on the model's device.
+        input_ids : torch.Tensor
+            ``[T]`` int64 token ids, packed in request order.
+        step : Step
+            The batch metadata (slots, page table, lengths).
+        all_logits : bool
+            Return logits of every new token (teacher forcing) instead of each request's last.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, vocab]`` float32 (``[T, vocab]`` with ``all_logits``).
+        """
+        from kvpool import attention
+
+        h = self.w["model.embed_tokens.weight"][input_ids.to(self.device)]
+        view0 = pool.layer(pool.layers[0])
+        triton = self.attn_backend == "triton" or (self.attn_backend == "auto" and h.is_cuda)
+        kw: dict[str, Any] = {"sm_scale": self.scale, "backend": self.attn_backend}
+        if step.is_decode:
+            fn = pool.decode
+            if triton:
+                kw["plan"] = attention.plan_decode(view0, self.hq, step.page_table, step.seq_lens)
+            else:
+                kw.update(page_table=step.page_table, seq_lens=step.seq_lens)
+        else:
+            fn = pool.extend
+            if triton:
+                kw["plan"] = attention.plan_extend(
+                    view0, self.hq, step.cu_seqlens_q, step.page_table, step.seq_lens
+                )
+            else:
+                kw.update(
+                    cu_seqlens_q=step.cu_seqlens_q, page_table=step.page_table,
+                    seq_lens=step.seq_lens,
+                )  # fmt: skip
+        for i in range(self.num_layers):
+            q, k, v = self._qkv(i, h, step.positions)
+            pool.write(i, step.out_loc, k, v)
+            o = fn(i, q, **kw)
+            h = self._finish_layer(i, h, o)
+        return self.logits(h if all_logits else h[step.last_index])
+
+    # ------------------------------------------------------------------ reference cache
+    @torch.inference_mode()
+    def forward_reference(
+        self, input_ids: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One sequence with an ordinary contiguous cache in the compute dtype (no pool).
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            ``[N]`` new token ids.
+        past : list of (k, v), optional
+            Per layer ``[Hkv, P, D]`` keys (after RoPE) and values of the ``P`` earlier tokens.
+
+        Returns
+        -------
+        (logits, past)
+            ``[N, vocab]`` float32 logits of every new token, and the cache extended by them.
+        """
+        n0 = 0 if past is None else past[0][0].shape[1]
+        ids = input_ids.to(self.device)
+        positions = torch.arange(n0, n0 + ids.numel(), device=self.device)
+        h = self.w["model.embed_tokens.weight"][ids]
+        new_past = []
+        for i in range(self.num_layers):
+            q, k, v = self._qkv(i, h, positions)
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
+            if past is not None:
+                k, v = torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1)
+            new_past.append((k, v))
+            o = _causal_attention(q.transpose(0, 1), k, v, self.scale)
+            h = self._finish_layer(i, h, o.transpose(0, 1))
+        return self.logits(h), new_past
+
+    @torch.inference_mode()
+    def generate_reference(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation with the reference cache (the yardstick for exactness)."""
+        logits, past = self.forward_reference(torch.tensor(prompt, dtype=torch.int64))
+        out = [int(logits[-1].argmax())]
+        for _ in range(max_new_tokens - 1):
+            logits, past = self.forward_reference(torch.tensor(out[-1:]), past)
+            out.append(int(logits[-1].argmax()))
+        return out
+
+
+def _causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q [Hq, N, D]`` over ``k, v [Hkv, P + N, D]``, query ``j`` seeing keys ``<= P + j``."""
+    n, total = q.shape[1], k.shape[1]
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,87 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.cli import main
+
+GIB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def wide(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "140")
+    monkeypatch.setenv("NO_COLOR", "1")
+
+
+def test_size_all_dtypes_llama8b(capsys):
+    # 16 GiB fake device, no weights, mem_frac 0.5 -> 8 GiB budget; bf16 131,072 B/token
+    rc = main(["size", "meta-llama/Llama-3.1-8B", "--total-memory", "16", "--weights", "0",
+               "--mem-fraction-static", "0.5", "--context-len", "4096"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "KV Cache is allocated. dtype: bf16, #tokens: 65535, K size: 4.00 GB, V size: 4.00 GB" in out
+    # fp8: floor((8 GiB - 256) / 65,536) - 1 = 131,070
+    assert "dtype: fp8_e4m3, #tokens: 131070," in out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.splitlines() if line.startswith("│")}
+    assert rows["bf16"] == ["131,072", "65,535", "1.00x", "15", "8.00"]
+    assert rows["nvfp4"][0] == "36,864" and rows["nvfp4"][2] == "3.56x"
+    assert rows["fp8_e4m3"][3] == "31"  # 131,070 // 4,096
+
+
+def test_size_json(capsys):
+    rc = main(["size", "Qwen/Qwen3-8B", "--kv-cache-dtype", "fp8", "--total-memory", "80",
+               "--available-memory", "60", "--mem-fraction-static", "0.85", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(data) == 1
+    d = data[0]
+    assert d["dtype"] == "fp8_e4m3" and d["bytes_per_token"] == 73_728
+    assert d["budget_bytes"] == 48 * GIB  # 60 - 80 x 0.15
+    assert d["num_tokens"] == (48 * GIB - 36 * 2 * 4) // 73_728 - 1
+
+
+def test_bad_input_exit_code_and_message(capsys):
+    assert main(["size", "Qwen/Qwen3-8B", "--kv-cache-dtype", "fp6", "--gpu", "H100"]) == 2
+    assert "unknown KV cache dtype `fp6`" in capsys.readouterr().err
+    assert main(["size", "Qwen/Qwen3-8B", "--gpu", "K80"]) == 2
+    assert "unknown GPU `K80`" in capsys.readouterr().err
+
+
+def test_models_lists_bundled(capsys):
+    assert main(["models"]) == 0
+    assert "deepseek-ai/DeepSeek-V3" in capsys.readouterr().out.split()
+
+
+def test_import_and_size_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
+        "import kvpool\n"
+        "p = kvpool.size_for('Qwen/Qwen3-8B', 'nvfp4', gpu='H200')\n"
+        "assert p.bytes_per_token == 41472, p\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--total-memory", "inf"], "GiB"),
+    (["--total-memory", "16", "--page-size", "99999999999999999999"], "page_size"),
+    (["--total-memory", "16", "--context-len", "0"], "context-len"),
+])
+def test_cli_bad_numbers_exit_2(args, text, capsys):
+    with pytest.raises(SystemExit) if args[1] == "inf" else _nullcontext():
+        rc = main(["size", "Qwen/Qwen3-8B", *args])
+        assert rc == 2
+    captured = capsys.readouterr()
+    assert text in captured.err and "Traceback" not in captured.err
+    assert "KV Cache" not in captured.out
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

@@ -1,0 +1,239 @@
+"""Bad input to sizing: each gives a clear exception (type and message naming the value)."""
+
+import json
+import math
+
+import pytest
+
+import kvpool
+
+GIB = 1 << 30
+LLAMA = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "head_dim": 128, "hidden_size": 4096}
+OK = dict(mem_frac=0.5, total_memory=2 * GIB, weights=0)
+
+
+@pytest.mark.parametrize("dtype", ["fp6", "int8", "", "FP8", "auto8"])
+def test_unknown_dtype(dtype):
+    with pytest.raises(kvpool.KvDtypeError, match=f"unknown KV cache dtype `{dtype}`.*nvfp4"):
+        kvpool.size_for(LLAMA, dtype, **OK)
+    assert issubclass(kvpool.KvDtypeError, ValueError)
+
+
+def test_unknown_model_lists_bundled():
+    with pytest.raises(kvpool.ModelConfigError, match="unknown model `nope/nothing`.*Qwen/Qwen3-8B"):
+        kvpool.size_for("nope/nothing", "bf16", **OK)
+
+
+def test_unknown_gpu():
+    with pytest.raises(kvpool.SizingError, match="unknown GPU `V100`.*H200"):
+        kvpool.size_for(LLAMA, "bf16", gpu="V100", weights=0)
+
+
+@pytest.mark.parametrize("frac", [0, -0.1, 1.01, 2, math.nan, math.inf])
+def test_mem_frac_outside_unit_interval(frac):
+    with pytest.raises(kvpool.SizingError, match="mem_frac"):
+        kvpool.size_for(LLAMA, "bf16", frac, total_memory=2 * GIB, weights=0)
+
+
+def test_budget_too_small_says_what_is_missing():
+    # one usable page + padding page at page_size 16: 32 rows x 131,072 bytes = 4 MiB
+    needed = 32 * 131_072
+    with pytest.raises(kvpool.BudgetTooSmallError) as e:
+        kvpool.size_for(LLAMA, "bf16", 0.5, total_memory=2 * (needed - 100), weights=0,
+                        page_size=16)
+    msg = str(e.value)
+    assert f"needs {needed} bytes, 100 more" in msg and "page_size" in msg and "mem_frac" in msg
+    assert isinstance(e.value, ValueError)
+
+
+def test_exactly_one_page_fits():
+    needed = 32 * 131_072
+    plan = kvpool.size_for(LLAMA, "bf16", 0.5, total_memory=2 * needed, weights=0, page_size=16)
+    assert plan.num_tokens == 16 and plan.total_bytes == needed
+
+
+def test_weights_larger_than_device():
+    with pytest.raises(kvpool.SizingError, match="do not fit"):
+        kvpool.size_for("meta-llama/Llama-3.1-70B", "bf16", gpu="L4")
+
+
+def test_no_memory_figures_without_gpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(kvpool.SizingError, match="no memory figures given"):
+        kvpool.size_for(LLAMA, "bf16")
+
+
+def test_available_above_total():
+    with pytest.raises(kvpool.SizingError, match="exceeds total memory"):
+        kvpool.size_for(LLAMA, "bf16", total_memory=GIB, available_memory=2 * GIB)
+
+
+@pytest.mark.parametrize("page_size", [0])
+def test_page_size_zero(page_size):
+    with pytest.raises(kvpool.LayoutError, match="page_size"):
+        kvpool.size_for(LLAMA, "bf16", page_size=page_size, **OK)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "16", True])
+def test_page_size_not_an_int(bad):
+    with pytest.raises(kvpool.LayoutError, match="`page_size`"):
+        kvpool.size_for(LLAMA, "bf16", page_size=bad, **OK)
+
+
+def test_tp_zero():
+    with pytest.raises(kvpool.ModelConfigError, match="tp_size"):
+        kvpool.size_for(LLAMA, "bf16", tp_size=0, **OK)
+
+
+def test_unknown_recipe():
+    with pytest.raises(kvpool.LayoutError, match="unknown nvfp4 recipe `fast`"):
+        kvpool.size_for(LLAMA, "nvfp4", nvfp4_recipe="fast", **OK)
+
+
+def test_override_out_of_range_and_on_linear():
+    with pytest.raises(kvpool.LayoutError, match="layer `40`.*32 layers"):
+        kvpool.size_for(LLAMA, "bf16", layer_dtypes={40: "fp8"}, **OK)
+    with pytest.raises(kvpool.LayoutError, match="linear-attention"):
+        kvpool.size_for("Qwen/Qwen3-Next-80B-A3B-Thinking", "bf16", layer_dtypes={0: "fp8"}, **OK)
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
+        ({"num_attention_heads": None}, "num_attention_heads"),
+        ({"head_dim": None, "hidden_size": None}, "hidden_size"),
+        ({"num_hidden_layers": -3}, "num_hidden_layers"),
+        ({"num_key_value_heads": "8"}, "num_key_value_heads"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads"),
+        ({"head_dim": 0}, "head_dim"),
+        ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+        ({"layer_types": ["weird"] * 32}, "weird"),
+        ({"sliding_window": "big", "layer_types": ["sliding_attention"] * 32}, "sliding_window"),
+        ({"layer_types": ["sliding_attention"] * 32}, "sliding_window"),
+        ({"kv_lora_rank": 512}, "qk_rope_head_dim"),
+        ({"index_head_dim": 128}, "index_head_dim"),
+        ({"torch_dtype": "int4"}, "torch_dtype"),
+    ],
+)
+def test_malformed_config_names_the_field(patch, field):
+    cfg = {k: v for k, v in {**LLAMA, **patch}.items() if v is not None}
+    with pytest.raises(kvpool.ModelConfigError, match=field):
+        kvpool.size_for(cfg, "bf16", **OK)
+
+
+def test_truncated_json_file(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(LLAMA)[:-20])
+    with pytest.raises(kvpool.ModelConfigError, match="malformed JSON"):
+        kvpool.size_for(p, "bf16", **OK)
+    p.write_text("[1, 2]")
+    with pytest.raises(kvpool.ModelConfigError, match="not an object"):
+        kvpool.size_for(p, "bf16", **OK)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(kvpool.ModelConfigError, match="no config.json"):
+        kvpool.size_for(tmp_path, "bf16", **OK)
+
+
+def test_auto_with_a_non_float_model_dtype():
+    with pytest.raises(kvpool.ModelConfigError, match="int8"):
+        kvpool.size_for(LLAMA, "auto", model_dtype="int8", **OK)
+
+
+def test_request_bytes_negative():
+    plan = kvpool.size_for(LLAMA, "bf16", **OK)
+    with pytest.raises(ValueError, match="-1"):
+        plan.request_bytes(-1)
+    with pytest.raises(ValueError, match="context_len"):
+        plan.requests_fit(0)
+
+
+def test_huge_numbers_do_not_panic():
+    # a panic would surface as pyo3's PanicException (a BaseException), never a clean error
+    cfg = dict(LLAMA, num_hidden_layers=10_000, num_key_value_heads=1 << 20,
+               num_attention_heads=1 << 20, head_dim=1 << 16)
+    with pytest.raises(kvpool.BudgetTooSmallError):
+        kvpool.size_for(cfg, "fp32", **OK)
+    cfg = dict(LLAMA, num_key_value_heads=1 << 40, num_attention_heads=1 << 40)
+    with pytest.raises(kvpool.ModelConfigError, match="exceeds"):
+        kvpool.size_for(cfg, "fp32", **OK)
+    with pytest.raises(kvpool.ModelConfigError, match="head_dim"):
+        kvpool.size_for(dict(LLAMA, head_dim=1 << 70), "fp32", **OK)
+    with pytest.raises(kvpool.ModelConfigError, match="num_hidden_layers"):
+        kvpool.size_for(dict(LLAMA, num_hidden_layers=10**9), "fp32", **OK)
+
+
+def test_arithmetic_overflow_is_an_error_not_a_wrong_number():
+    with pytest.raises(kvpool.LayoutError, match="page_size"):
+        kvpool.size_for(LLAMA, "bf16", page_size=2**63, **OK)
+    plan = kvpool.size_for(LLAMA, "bf16", **OK)
+    with pytest.raises(kvpool.SizingError, match="exceeds"):
+        plan.request_bytes(2**50)
+    with pytest.raises(kvpool.SizingError, match="num_tokens"):
+        kvpool.size_for(LLAMA, "bf16", num_tokens=2**64 - 1)
+    with pytest.raises(kvpool.SizingError, match="num_tokens"):
+        kvpool.size_for(LLAMA, "bf16", num_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(mem_frac=True), dict(total_memory=True), dict(total_memory=8.0),
+     dict(total_memory="8"), dict(page_size=True), dict(num_tokens=True),
+     dict(layer_dtypes={1.7: "fp8"}), dict(layer_dtypes={-1: "fp8"}), dict(tp_size=2**64)],
+)
+def test_wrong_types_are_refused_naming_the_argument(kw):
+    args = {**OK, **kw}
+    name = next(iter(kw)).replace("layer_dtypes", "layer_dtypes key")
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        kvpool.size_for(LLAMA, "bf16", **args)
+
+
+def test_explicit_weights_are_split_over_tp_ranks():
+    # 140 GiB of weights over 8 ranks: 17.5 GiB per rank on an 80 GiB device
+    plan = kvpool.size_for(LLAMA, "bf16", 0.9, total_memory=80 * GIB, weights=140 * GIB, tp_size=8)
+    assert plan.budget.weights == 140 * GIB // 8
+    assert plan.budget_bytes == 80 * GIB - 140 * GIB // 8 - 8 * GIB
+
+
+def test_available_memory_and_weights_together_are_refused():
+    with pytest.raises(kvpool.SizingError, match="not both"):
+        kvpool.size_for(LLAMA, "bf16", total_memory=8 * GIB, available_memory=6 * GIB, weights=GIB)
+
+
+def test_compare_accepts_one_dtype_name():
+    plans = kvpool.compare(LLAMA, "bf16", **OK)
+    assert [p.dtype for p in plans] == ["bf16"]
+
+
+def test_empty_model_name():
+    with pytest.raises(kvpool.ModelConfigError, match="empty"):
+        kvpool.size_for("", "bf16", **OK)
+
+
+def test_plan_is_read_only():
+    plan = kvpool.size_for(LLAMA, "bf16", **OK)
+    with pytest.raises(AttributeError):
+        plan.num_tokens = 5
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [({"num_key_value_heads": 64}, "num_key_value_heads"),
+     ({"layer_types": ["nonlinear"] * 32}, "nonlinear"),
+     ({"sliding_window": 16, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+     ({"sliding_window": -5, "layer_types": ["sliding_attention"] * 32}, "sliding_window"),
+     ({"index_n_heads": 64}, "index_n_heads")],
+)
+def test_more_malformed_configs(patch, field):
+    with pytest.raises(kvpool.ModelConfigError, match=field):
+        kvpool.size_for({**LLAMA, **patch}, "bf16", **OK)
+
+
+def test_mla_config_needs_no_hidden_size():
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 16, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+    assert kvpool.size_for(cfg, "bf16", **OK).bytes_per_token == 2 * 576 * 2
