@@ -1,6 +1,9 @@
 """Type stub of the native module ``kvpool._core`` (Rust, PyO3). Byte counts are ``int`` bytes."""
 
-from typing import Literal
+from typing import Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 KvDtypeName = Literal[
     "auto", "fp32", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16"
@@ -89,12 +92,6 @@ def plan(
     num_tokens: int | None = None,
 ) -> Plan: ...
 
-
-
-from typing import Any, TypeAlias
-
-import numpy as np
-import numpy.typing as npt
 
 Int32Array: TypeAlias = npt.NDArray[np.int32]
 IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]

@@ -27,7 +27,9 @@ def _gib(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of GiB, got `{text}`") from None
     if not 0 <= v < 1 << 34:
-        raise argparse.ArgumentTypeError(f"expected a finite, non-negative number of GiB, got `{text}`")
+        raise argparse.ArgumentTypeError(
+            f"expected a finite, non-negative number of GiB, got `{text}`"
+        )
     return round(v * GIB)
 
 
@@ -39,24 +41,44 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="KV-cache pool sizing and tools")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("size", help="how many tokens/requests fit, per KV dtype")
-    s.add_argument("model", help="bundled hub id (see `kvpool models`), config.json, model dir or GGUF")
-    s.add_argument("--kv-cache-dtype", default="all",
-                   help="auto, fp32, bf16, fp16, fp8_e4m3 (fp8), fp8_e5m2, nvfp4, fp4_mx_block16, "
-                        "or all (default)")
-    s.add_argument("--mem-fraction-static", type=float, default=0.9,
-                   help="fraction of device memory for weights + KV pool (SGLang's flag; default 0.9)")
+    s.add_argument(
+        "model", help="bundled hub id (see `kvpool models`), config.json, model dir or GGUF"
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default="all",
+        help="auto, fp32, bf16, fp16, fp8_e4m3 (fp8), fp8_e5m2, nvfp4, fp4_mx_block16, "
+        "or all (default)",
+    )
+    s.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.9,
+        help="fraction of device memory for weights + KV pool (SGLang's flag; default 0.9)",
+    )
     s.add_argument("--gpu", help=f"GPU by name: {', '.join(GPUS)}")
     s.add_argument("--total-memory", type=_gib, help="GiB free before loading weights")
     s.add_argument("--available-memory", type=_gib, help="GiB free after loading weights")
-    s.add_argument("--weights", type=_weights, default=None,
-                   help="weight GiB of the whole model, or auto (checkpoint index / estimate)")
+    s.add_argument(
+        "--weights",
+        type=_weights,
+        default=None,
+        help="weight GiB of the whole model, or auto (checkpoint index / estimate)",
+    )
     s.add_argument("--page-size", type=int, default=1)
     s.add_argument("--tp-size", type=int, default=1)
-    s.add_argument("--nvfp4-recipe", default="linear",
-                   help="linear (default), page_major, mixed, linear_workspace")
+    s.add_argument(
+        "--nvfp4-recipe",
+        default="linear",
+        help="linear (default), page_major, mixed, linear_workspace",
+    )
     s.add_argument("--model-dtype", help="the loaded model's compute dtype (what auto resolves to)")
-    s.add_argument("--context-len", type=int, default=None,
-                   help="request length for the requests column (default: 8192)")
+    s.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="request length for the requests column (default: 8192)",
+    )
     s.add_argument("--json", action="store_true", help="print every figure as JSON")
     sub.add_parser("models", help="list the bundled model configs")
     return p
@@ -81,25 +103,35 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     plans = kvpool.compare(spec, dtypes, **kw)
     if args.json:
-        out = [p.to_dict() | {"requests_fit": p.requests_fit(context), "context_len": context}
-               for p in plans]
+        out = [
+            p.to_dict() | {"requests_fit": p.requests_fit(context), "context_len": context}
+            for p in plans
+        ]
         for d in out:
             d.pop("buffers")
         print(json.dumps(out, indent=2))
         return 0
     b = plans[0].budget
-    kinds = {k: spec.layer_kinds.count(k) for k in ("full", "sliding", "linear") if k in spec.layer_kinds}
-    console.print(f"[bold]{spec.name}[/]: {spec.num_layers} layers "
-                  f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
-                  + (f"MLA latent {spec.kv_lora_rank}+{spec.qk_rope_head_dim}"
-                     if spec.is_mla else
-                     f"{spec.num_kv_heads} KV heads x head_dim {spec.head_dim}")
-                  + f", model dtype {spec.dtype} ({spec.dtype_source}); "
-                  f"tp_size {args.tp_size}, page_size {args.page_size}")
+    kinds = {
+        k: spec.layer_kinds.count(k) for k in ("full", "sliding", "linear") if k in spec.layer_kinds
+    }
+    console.print(
+        f"[bold]{spec.name}[/]: {spec.num_layers} layers "
+        f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
+        + (
+            f"MLA latent {spec.kv_lora_rank}+{spec.qk_rope_head_dim}"
+            if spec.is_mla
+            else f"{spec.num_kv_heads} KV heads x head_dim {spec.head_dim}"
+        )
+        + f", model dtype {spec.dtype} ({spec.dtype_source}); "
+        f"tp_size {args.tp_size}, page_size {args.page_size}"
+    )
     if b is not None:
-        console.print(f"budget: {b.budget / GIB:.2f} GiB = available {b.available_memory / GIB:.2f}"
-                      f" - total {b.total_memory / GIB:.2f} x (1 - {b.mem_frac}); "
-                      f"weights {b.weights / GIB:.2f} GiB per rank ({b.weights_source})")
+        console.print(
+            f"budget: {b.budget / GIB:.2f} GiB = available {b.available_memory / GIB:.2f}"
+            f" - total {b.total_memory / GIB:.2f} x (1 - {b.mem_frac}); "
+            f"weights {b.weights / GIB:.2f} GiB per rank ({b.weights_source})"
+        )
     for p in plans:
         console.print(p.sglang_line(), highlight=False)
     bf16 = next((p for p in plans if p.dtype == "bf16"), None)
@@ -108,13 +140,21 @@ def _size(args: argparse.Namespace, console: Console) -> int:
         t.add_column(col, justify="left" if col == "dtype" else "right")
     for p in plans:
         ratio = f"{p.num_tokens / bf16.num_tokens:.2f}x" if bf16 else "-"
-        t.add_row(p.dtype, f"{p.bytes_per_token:,}", f"{p.num_tokens:,}", ratio,
-                  f"{p.requests_fit(context):,}", f"{p.total_bytes / GIB:.2f}")
+        t.add_row(
+            p.dtype,
+            f"{p.bytes_per_token:,}",
+            f"{p.num_tokens:,}",
+            ratio,
+            f"{p.requests_fit(context):,}",
+            f"{p.total_bytes / GIB:.2f}",
+        )
     console.print(t)
     linear = plans[0].linear_state_bytes()
     if linear:
-        console.print(f"linear-attention state: {linear / (1 << 20):.2f} MiB per request "
-                      "(reported, not allocated by the pool)")
+        console.print(
+            f"linear-attention state: {linear / (1 << 20):.2f} MiB per request "
+            "(reported, not allocated by the pool)"
+        )
     return 0
 
 
@@ -129,7 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return _size(args, console)
     except (ValueError, MemoryError, OverflowError, TypeError) as e:
-        Console(stderr=True, soft_wrap=True).print(f"[red]error:[/] {type(e).__name__}: {e}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"[red]error:[/] {type(e).__name__}: {e}", highlight=False
+        )
         return 2
 
 

@@ -47,7 +47,9 @@ _MAX_LAYERS = 1 << 16
 def _bundled() -> tuple[str, ...]:
     files = resources.files("kvpool").joinpath("models").iterdir()
     return tuple(
-        sorted(f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json"))
+        sorted(
+            f.name[: -len(".json")].replace("--", "/", 1) for f in files if f.name.endswith(".json")
+        )
     )
 
 
@@ -103,7 +105,9 @@ class _Fields:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ModelConfigError(f"`{name}` must be a non-negative integer, got {v!r}")
         if v > _MAX_FIELD:
-            raise ModelConfigError(f"`{name}` = {v} exceeds {_MAX_FIELD}; no real model is that large")
+            raise ModelConfigError(
+                f"`{name}` = {v} exceeds {_MAX_FIELD}; no real model is that large"
+            )
         return v
 
 
@@ -155,7 +159,9 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike[str], *, dtype: str | None = None) -> ModelSpec:
+    def from_pretrained(
+        cls, model: str | os.PathLike[str], *, dtype: str | None = None
+    ) -> ModelSpec:
         """Load a model's geometry.
 
         Parameters
@@ -221,7 +227,8 @@ class ModelSpec:
         f = _Fields(config)
         if f.has("index_head_dim"):
             raise ModelConfigError(
-                f"`index_head_dim` = {f.get('index_head_dim')}: this model keeps a sparse-attention "
+                f"`index_head_dim` = {f.get('index_head_dim')}: this model keeps a sparse-"
+                "attention "
                 "indexer cache (DeepSeek-V3.2 style), which kvpool does not size yet; refusing "
                 "rather than under-counting its bytes"
             )
@@ -232,7 +239,9 @@ class ModelSpec:
                 )
         num_layers = f.int("num_hidden_layers")
         if not 0 < num_layers <= _MAX_LAYERS:
-            raise ModelConfigError(f"`num_hidden_layers` must be in 1..{_MAX_LAYERS}, got {num_layers}")
+            raise ModelConfigError(
+                f"`num_hidden_layers` must be in 1..{_MAX_LAYERS}, got {num_layers}"
+            )
         heads = f.int("num_attention_heads")
         if heads == 0:
             raise ModelConfigError("`num_attention_heads` must be positive, got 0")
@@ -336,8 +345,12 @@ class ModelSpec:
 
 def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
     window = f.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-        raise ModelConfigError(f"`sliding_window` must be a non-negative integer or null, got {window!r}")
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 0
+    ):
+        raise ModelConfigError(
+            f"`sliding_window` must be a non-negative integer or null, got {window!r}"
+        )
     types = f.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != num_layers:
@@ -368,9 +381,8 @@ def _layer_type(t: object, i: int) -> str:
         raise ModelConfigError(f"`layer_types[{i}]` must be a string, got {t!r}")
     kind = _LAYER_TYPES.get(t.lower())
     if kind is None:
-        raise ModelConfigError(
-            f"unknown layer type `{t}` at `layer_types[{i}]`; known: {', '.join(sorted(_LAYER_TYPES))}"
-        )
+        known = ", ".join(sorted(_LAYER_TYPES))
+        raise ModelConfigError(f"unknown layer type `{t}` at `layer_types[{i}]`; known: {known}")
     return kind
 
 
@@ -399,7 +411,9 @@ def _sliding_pattern(f: _Fields, num_layers: int) -> list[str]:
         return ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
     if pattern is not None:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
-            raise ModelConfigError(f"`sliding_window_pattern` must be a positive integer, got {pattern!r}")
+            raise ModelConfigError(
+                f"`sliding_window_pattern` must be a positive integer, got {pattern!r}"
+            )
         # Gemma 3: every `pattern`-th layer is global.
         return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
     if f.has("max_window_layers") and model_type.startswith("qwen"):

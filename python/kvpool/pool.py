@@ -1,5 +1,4 @@
-"""``KVPool``: the torch buffers a :class:`~kvpool.Plan` describes, and the per-layer view the
-kernels take.
+"""``KVPool``: the torch buffers a :class:`~kvpool.Plan` describes, and the kernels' layer view.
 
 The pool allocates exactly ``plan.buffers`` (so ``sum(t.nbytes) == plan.total_bytes``) and adds
 nothing of its own. Rows are token slots: ``slot = page * page_size + offset``, page 0 is the
@@ -135,7 +134,10 @@ class KVPool:
         spec = plan.spec
         d_k = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else spec.head_dim
         self._views: dict[int, LayerView] = {}
-        shared = {f: self.buffers.get(f"workspace.{t}") for f, t in (("workspace_k", "k"), ("workspace_v", "v"))}
+        shared = {
+            f: self.buffers.get(f"workspace.{t}")
+            for f, t in (("workspace_k", "k"), ("workspace_v", "v"))
+        }
         if spec.is_mla:
             shared["workspace_k"] = self.buffers.get("workspace.kv")
         for layer, dtype in enumerate(plan.layer_dtypes):
@@ -176,8 +178,8 @@ class KVPool:
             return self._views[layer]
         except (KeyError, TypeError):
             raise KeyError(
-                f"layer `{layer}` has no KV buffers (layers with KV: 0..{self.plan.spec.num_layers - 1}"
-                f" except linear-attention layers)"
+                f"layer `{layer}` has no KV buffers (layers with KV: "
+                f"0..{self.plan.spec.num_layers - 1} except linear-attention layers)"
             ) from None
 
     @property
@@ -200,7 +202,9 @@ class KVPool:
             Wrong length, or a scale that is not finite and positive (naming the layer).
         """
         n = self.plan.spec.num_layers
-        ks, vs = (_scales_f32(name, s, n) for name, s in (("k_scales", k_scales), ("v_scales", v_scales)))
+        ks, vs = (
+            _scales_f32(name, s, n) for name, s in (("k_scales", k_scales), ("v_scales", v_scales))
+        )
         for layer, view in self._views.items():
             if view.k_scale is not None:
                 view.k_scale.fill_(ks[layer])

@@ -111,7 +111,10 @@ class Plan:
     @property
     def buffers(self) -> list[BufferSpec]:
         """Every buffer the pool allocates, in allocation order."""
-        return [BufferSpec(n, l, t, r, d, tuple(s), b) for n, l, t, r, d, s, b in self._core.buffers]
+        return [
+            BufferSpec(n, layer, t, r, d, tuple(s), b)
+            for n, layer, t, r, d, s, b in self._core.buffers
+        ]
 
     @property
     def budget_bytes(self) -> int:
@@ -139,8 +142,11 @@ class Plan:
         return conv + ssm
 
     def sglang_line(self) -> str:
-        """SGLang's allocation log line (GB there means GiB; #tokens without the padding page,
-        K/V sizes with it, scales of each tensor included)."""
+        """SGLang's allocation log line.
+
+        GB there means GiB; #tokens excludes the padding page, K/V sizes include it and each
+        tensor's block scales.
+        """
         k = sum(b.nbytes for b in self.buffers if b.tensor in ("k", "kv") and b.role != "workspace")
         v = sum(b.nbytes for b in self.buffers if b.tensor == "v" and b.role != "workspace")
         return (
@@ -178,7 +184,7 @@ def _spec(model: ModelSpec | dict | str | os.PathLike[str], model_dtype: str | N
         if model_dtype is not None:
             from dataclasses import replace
 
-            from kvpool.config import _model_dtype, _Fields
+            from kvpool.config import _Fields, _model_dtype
 
             d, src = _model_dtype(_Fields({}), model_dtype)
             return replace(model, dtype=d, dtype_source=src)
@@ -195,7 +201,11 @@ def _budget(
     weights: int | str | None,
     tp_size: int,
 ) -> Budget:
-    if isinstance(mem_frac, bool) or not isinstance(mem_frac, (int, float)) or not 0 < mem_frac <= 1:
+    if (
+        isinstance(mem_frac, bool)
+        or not isinstance(mem_frac, (int, float))
+        or not 0 < mem_frac <= 1
+    ):
         raise SizingError(f"`mem_frac` must be in (0, 1], got {mem_frac!r}")
     if gpu is not None and total_memory is not None:
         raise SizingError("give either `gpu` or `total_memory`, not both")
@@ -330,8 +340,10 @@ def size_for(
         page_size=page_size,
         tp_size=tp_size,
         nvfp4_recipe=nvfp4_recipe,
-        overrides=[(_int("layer_dtypes key", k, exc=_core.LayoutError), v)
-                   for k, v in (layer_dtypes or {}).items()],
+        overrides=[
+            (_int("layer_dtypes key", k, exc=_core.LayoutError), v)
+            for k, v in (layer_dtypes or {}).items()
+        ],
         sliding_dtype=sliding_dtype,
     )
     if num_tokens is not None:

@@ -36,16 +36,23 @@ def checkpoint_bytes(spec: ModelSpec) -> int | None:
 
 
 def parameter_counts(spec: ModelSpec) -> dict[str, int]:
-    """Parameters by group: ``embed`` (embeddings and LM head), ``norms`` (norms and routers,
-    kept in the model dtype), ``linear`` (attention and dense/shared MLP weights), ``experts``
-    (routed MoE expert weights)."""
+    """Parameters by group.
+
+    ``embed`` (embeddings and LM head), ``norms`` (norms and routers, kept in the model dtype),
+    ``linear`` (attention and dense/shared MLP weights), ``experts`` (routed MoE expert weights).
+    """
     f = spec.fields
     hidden = f.int("hidden_size")
     vocab = f.int("vocab_size")
     heads = spec.num_attention_heads
     # transformers defaults tie_word_embeddings to True (gemma-2 configs rely on it)
     tied = bool(f.get("tie_word_embeddings", True))
-    counts = {"embed": vocab * hidden * (1 if tied else 2), "norms": hidden, "linear": 0, "experts": 0}
+    counts = {
+        "embed": vocab * hidden * (1 if tied else 2),
+        "norms": hidden,
+        "linear": 0,
+        "experts": 0,
+    }
     n_experts = f.int("num_experts", default=0) or f.int("n_routed_experts", default=0)
     n_experts = n_experts or f.int("num_local_experts", default=0)
     first_dense = f.int("first_k_dense_replace", default=0)
