@@ -230,6 +230,18 @@ impl PageAllocator {
     /// # Errors
     /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, AllocError> {
+        self.take(n, |p| p)
+    }
+
+    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries) in one pass.
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc).
+    pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
+        self.take(n, PageId::as_i32)
+    }
+
+    fn take<T>(&mut self, n: usize, f: impl Fn(PageId) -> T) -> Result<Vec<T>, AllocError> {
         if n > self.free.len() {
             return Err(AllocError::OutOfPages {
                 requested: n,
@@ -238,11 +250,16 @@ impl PageAllocator {
             });
         }
         let start = self.free.len() - n;
-        let out: Vec<PageId> = self.free[start..].iter().rev().copied().collect();
+        let slots = &mut self.slots;
+        let out: Vec<T> = self.free[start..]
+            .iter()
+            .rev()
+            .map(|&p| {
+                slots[p.index()].refs = 1;
+                f(p)
+            })
+            .collect();
         self.free.truncate(start);
-        for p in &out {
-            self.slots[p.index()].refs = 1;
-        }
         Ok(out)
     }
 
@@ -252,19 +269,75 @@ impl PageAllocator {
     /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
     /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        self.check_held(pages, Use::Free)?;
-        for &raw in pages {
-            // Validated above: in range and held.
-            let i = raw.to_i64() as usize;
-            let s = &mut self.slots[i];
+        // One pass that checks and applies each page; on an error the pages already done are
+        // rolled back, so the call still changes nothing then.
+        let stamp = self.next_stamp();
+        let (free_len, shared) = (self.free.len(), self.shared_cached);
+        let n = i64::from(self.num_pages);
+        for (k, &raw) in pages.iter().enumerate() {
+            let v = raw.to_i64();
+            let ok = v > 0 && v <= n && {
+                let s = self.slots[v as usize];
+                s.seen != stamp && s.count() > u32::from(s.cached())
+            };
+            if !ok {
+                self.undo_free(&pages[..k], free_len, shared);
+                return Err(self.held_error(raw, stamp, Use::Free));
+            }
+            let s = &mut self.slots[v as usize];
+            s.seen = stamp;
             s.refs -= 1;
             if s.refs == CACHED | 1 {
                 self.shared_cached -= 1;
             } else if s.refs == 0 {
-                self.free.extend(PageId::new(i as u32));
+                self.free
+                    .push(PageId(NonZeroU32::new(v as u32).unwrap_or(NonZeroU32::MIN)));
             }
         }
         Ok(())
+    }
+
+    /// Rolls back the decrements of a failed [`free`](Self::free) over `done`.
+    fn undo_free<P: RawPage>(&mut self, done: &[P], free_len: usize, shared: usize) {
+        for &raw in done {
+            self.slots[raw.to_i64() as usize].refs += 1;
+        }
+        self.free.truncate(free_len);
+        self.shared_cached = shared;
+    }
+
+    /// The error [`check_held`](Self::check_held) reports for `raw` (known to fail) in the call
+    /// of stamp `stamp`.
+    fn held_error<P: RawPage>(&self, raw: P, stamp: u32, what: Use) -> AllocError {
+        let p = match self.page(raw) {
+            Ok(p) => p,
+            Err(e) => return e,
+        };
+        let s = self.slots[p.index()];
+        let count = s.count();
+        // A repeat of an id this call already applied: report it as the repeat it is.
+        if s.seen == stamp {
+            return AllocError::Duplicate { page: p.get() };
+        }
+        if count == 0 {
+            return AllocError::NotAllocated { page: p.get() };
+        }
+        match what {
+            Use::Free => AllocError::OnlyCached { page: p.get() },
+            Use::Share | Use::Cache if count == MAX_REFS => {
+                AllocError::RefOverflow { page: p.get() }
+            }
+            _ => AllocError::AlreadyCached { page: p.get() },
+        }
+    }
+
+    fn next_stamp(&mut self) -> u32 {
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.slots.iter_mut().for_each(|s| s.seen = 0);
+            self.stamp = 1;
+        }
+        self.stamp
     }
 
     /// Adds one reference to each page (another holder shares it).
@@ -308,12 +381,7 @@ impl PageAllocator {
         pages: &[P],
         what: Use,
     ) -> Result<(), AllocError> {
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.slots.iter_mut().for_each(|s| s.seen = 0);
-            self.stamp = 1;
-        }
-        let stamp = self.stamp;
+        let stamp = self.next_stamp();
         for &raw in pages {
             let p = self.page(raw)?;
             let s = &mut self.slots[p.index()];
@@ -342,11 +410,47 @@ impl PageAllocator {
     }
 
     /// The cache's reference: taken on a held page not cached yet, checked by the caller.
+    #[cfg(test)]
     pub(crate) fn retain_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
         debug_assert!(s.count() > 0 && !s.cached() && s.count() < MAX_REFS);
         s.refs = (s.refs + 1) | CACHED;
         self.shared_cached += 1; // the holder that handed it over still has its reference
+    }
+
+    /// Takes the cache's reference on each page, which must be held, not cached yet and listed
+    /// once: validation and update in one pass (rolled back on an error, so nothing changes then).
+    /// Returns the pages as ids.
+    pub(crate) fn cache_pages<P: RawPage>(
+        &mut self,
+        pages: &[P],
+    ) -> Result<Vec<PageId>, AllocError> {
+        let stamp = self.next_stamp();
+        let shared = self.shared_cached;
+        let n = i64::from(self.num_pages);
+        let mut out: Vec<PageId> = Vec::with_capacity(pages.len());
+        for &raw in pages {
+            let v = raw.to_i64();
+            let ok = v > 0 && v <= n && {
+                let s = self.slots[v as usize];
+                s.seen != stamp && s.count() > 0 && !s.cached() && s.count() < MAX_REFS
+            };
+            if !ok {
+                for p in &out {
+                    let s = &mut self.slots[p.index()];
+                    s.refs = (s.refs & MAX_REFS) - 1;
+                }
+                self.shared_cached = shared;
+                return Err(self.held_error(raw, stamp, Use::Cache));
+            }
+            let s = &mut self.slots[v as usize];
+            s.seen = stamp;
+            s.refs = (s.refs + 1) | CACHED;
+            out.push(PageId(NonZeroU32::new(v as u32).unwrap_or(NonZeroU32::MIN)));
+        }
+        // Every holder that handed a page over still has its reference.
+        self.shared_cached += out.len();
+        Ok(out)
     }
 
     /// Cached pages with another holder besides the cache.

@@ -175,8 +175,8 @@ impl PyRadixCache {
     fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", n)?;
         let mut c = guard(&self.cache);
-        let pages = c.alloc(&mut guard(&self.alloc), n).map_err(to_py)?;
-        Ok(page_array(py, &pages))
+        let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
+        Ok(PyArray1::from_vec(py, pages))
     }
 
     fn try_alloc<'py>(
@@ -186,8 +186,8 @@ impl PyRadixCache {
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n)?;
         let mut c = guard(&self.cache);
-        match c.alloc(&mut guard(&self.alloc), n) {
-            Ok(pages) => Ok(Some(page_array(py, &pages))),
+        match c.alloc_i32(&mut guard(&self.alloc), n) {
+            Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
             Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
             Err(e) => Err(to_py(e)),
         }
