@@ -269,41 +269,45 @@ impl PageAllocator {
     /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
     /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        // One pass that checks and applies each page; on an error the pages already done are
-        // rolled back, so the call still changes nothing then.
+        // One pass that checks and applies each page (counters kept local, so the loop carries
+        // no store); on an error the pages already done are rolled back, so the call still
+        // changes nothing then. Pages that reached zero go to the free list afterwards.
         let stamp = self.next_stamp();
-        let (free_len, shared) = (self.free.len(), self.shared_cached);
         let n = i64::from(self.num_pages);
+        let slots = &mut self.slots[..];
+        let (mut unshared, mut freed) = (0usize, 0usize);
         for (k, &raw) in pages.iter().enumerate() {
             let v = raw.to_i64();
             let ok = v > 0 && v <= n && {
-                let s = self.slots[v as usize];
+                let s = slots[v as usize];
                 s.seen != stamp && s.count() > u32::from(s.cached())
             };
             if !ok {
-                self.undo_free(&pages[..k], free_len, shared);
+                for &done in &pages[..k] {
+                    slots[done.to_i64() as usize].refs += 1;
+                }
                 return Err(self.held_error(raw, stamp, Use::Free));
             }
-            let s = &mut self.slots[v as usize];
+            let s = &mut slots[v as usize];
             s.seen = stamp;
             s.refs -= 1;
-            if s.refs == CACHED | 1 {
-                self.shared_cached -= 1;
-            } else if s.refs == 0 {
-                self.free
-                    .push(PageId(NonZeroU32::new(v as u32).unwrap_or(NonZeroU32::MIN)));
-            }
+            unshared += usize::from(s.refs == CACHED | 1);
+            freed += usize::from(s.refs == 0);
+        }
+        self.shared_cached -= unshared;
+        if freed > 0 {
+            // Listed once each (checked above): the pages at zero now are the ones freed here.
+            let slots = &self.slots;
+            self.free.extend(pages.iter().filter_map(|&raw| {
+                let i = raw.to_i64() as u32;
+                if slots[i as usize].refs == 0 {
+                    PageId::new(i)
+                } else {
+                    None
+                }
+            }));
         }
         Ok(())
-    }
-
-    /// Rolls back the decrements of a failed [`free`](Self::free) over `done`.
-    fn undo_free<P: RawPage>(&mut self, done: &[P], free_len: usize, shared: usize) {
-        for &raw in done {
-            self.slots[raw.to_i64() as usize].refs += 1;
-        }
-        self.free.truncate(free_len);
-        self.shared_cached = shared;
     }
 
     /// The error [`check_held`](Self::check_held) reports for `raw` (known to fail) in the call
@@ -426,31 +430,32 @@ impl PageAllocator {
         pages: &[P],
     ) -> Result<Vec<PageId>, AllocError> {
         let stamp = self.next_stamp();
-        let shared = self.shared_cached;
         let n = i64::from(self.num_pages);
-        let mut out: Vec<PageId> = Vec::with_capacity(pages.len());
-        for &raw in pages {
+        let slots = &mut self.slots[..];
+        for (k, &raw) in pages.iter().enumerate() {
             let v = raw.to_i64();
             let ok = v > 0 && v <= n && {
-                let s = self.slots[v as usize];
+                let s = slots[v as usize];
                 s.seen != stamp && s.count() > 0 && !s.cached() && s.count() < MAX_REFS
             };
             if !ok {
-                for p in &out {
-                    let s = &mut self.slots[p.index()];
+                for &done in &pages[..k] {
+                    let s = &mut slots[done.to_i64() as usize];
                     s.refs = (s.refs & MAX_REFS) - 1;
                 }
-                self.shared_cached = shared;
                 return Err(self.held_error(raw, stamp, Use::Cache));
             }
-            let s = &mut self.slots[v as usize];
+            let s = &mut slots[v as usize];
             s.seen = stamp;
             s.refs = (s.refs + 1) | CACHED;
-            out.push(PageId(NonZeroU32::new(v as u32).unwrap_or(NonZeroU32::MIN)));
         }
         // Every holder that handed a page over still has its reference.
-        self.shared_cached += out.len();
-        Ok(out)
+        self.shared_cached += pages.len();
+        // All validated as usable ids above.
+        Ok(pages
+            .iter()
+            .map(|&raw| PageId(NonZeroU32::new(raw.to_i64() as u32).unwrap_or(NonZeroU32::MIN)))
+            .collect())
     }
 
     /// Cached pages with another holder besides the cache.
@@ -459,19 +464,35 @@ impl PageAllocator {
     }
 
     /// Drops the cache's reference on a page it holds.
+    #[cfg(test)]
     pub(crate) fn release_cached(&mut self, p: PageId) {
-        let s = &mut self.slots[p.index()];
-        debug_assert!(
-            s.cached() && s.count() > 0,
-            "release of page {} the cache does not hold",
-            p.get()
-        );
-        if s.count() >= 2 {
-            self.shared_cached -= 1;
+        self.release_cached_all(&[p]);
+    }
+
+    /// Drops the cache's reference on each page (all held by it, each listed once). Slots are
+    /// updated in one tight pass; the pages that reached zero then go to the free list.
+    pub(crate) fn release_cached_all(&mut self, pages: &[PageId]) {
+        let slots = &mut self.slots[..];
+        let (mut unshared, mut freed) = (0usize, 0usize);
+        for &p in pages {
+            let s = &mut slots[p.index()];
+            debug_assert!(
+                s.cached() && s.count() > 0,
+                "release of page {} the cache does not hold",
+                p.get()
+            );
+            let count = s.count();
+            unshared += usize::from(count >= 2);
+            s.refs = count.saturating_sub(1);
+            freed += usize::from(s.refs == 0);
         }
-        s.refs = (s.refs & MAX_REFS).saturating_sub(1);
-        if s.refs == 0 {
-            self.free.push(p);
+        self.shared_cached -= unshared;
+        if freed == pages.len() {
+            self.free.extend_from_slice(pages);
+        } else if freed > 0 {
+            let slots = &self.slots;
+            self.free
+                .extend(pages.iter().copied().filter(|p| slots[p.index()].refs == 0));
         }
     }
 }

@@ -785,9 +785,7 @@ impl RadixCache {
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
         }
-        for &p in &n.pages {
-            alloc.release_cached(p);
-        }
+        alloc.release_cached_all(&n.pages);
         self.evictable -= n.key.len();
         self.nodes[id as usize].generation = n.generation;
         self.free_node(id);
@@ -895,9 +893,7 @@ impl RadixCache {
             });
         }
         for n in &self.nodes {
-            for &p in &n.pages {
-                alloc.release_cached(p);
-            }
+            alloc.release_cached_all(&n.pages);
         }
         let fresh = Self::new(alloc, self.page_size)?;
         *self = fresh;
