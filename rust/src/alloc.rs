@@ -273,26 +273,26 @@ impl PageAllocator {
         // no store); on an error the pages already done are rolled back, so the call still
         // changes nothing then. Pages that reached zero go to the free list afterwards.
         let stamp = self.next_stamp();
-        let n = i64::from(self.num_pages);
         let slots = &mut self.slots[..];
         let (mut unshared, mut freed) = (0usize, 0usize);
         for (k, &raw) in pages.iter().enumerate() {
-            let v = raw.to_i64();
-            let ok = v > 0 && v <= n && {
-                let s = slots[v as usize];
-                s.seen != stamp && s.count() > u32::from(s.cached())
-            };
+            // A negative id maps to an index out of range, like any id above num_pages.
+            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
+            let ok = v != 0
+                && slots
+                    .get(v)
+                    .is_some_and(|s| s.seen != stamp && s.count() > u32::from(s.cached()));
             if !ok {
                 for &done in &pages[..k] {
                     slots[done.to_i64() as usize].refs += 1;
                 }
                 return Err(self.held_error(raw, stamp, Use::Free));
             }
-            let s = &mut slots[v as usize];
-            s.seen = stamp;
-            s.refs -= 1;
-            unshared += usize::from(s.refs == CACHED | 1);
-            freed += usize::from(s.refs == 0);
+            let s = &mut slots[v];
+            let refs = s.refs - 1;
+            *s = Slot { refs, seen: stamp };
+            unshared += usize::from(refs == CACHED | 1);
+            freed += usize::from(refs == 0);
         }
         self.shared_cached -= unshared;
         if freed > 0 {
@@ -430,14 +430,14 @@ impl PageAllocator {
         pages: &[P],
     ) -> Result<Vec<PageId>, AllocError> {
         let stamp = self.next_stamp();
-        let n = i64::from(self.num_pages);
         let slots = &mut self.slots[..];
         for (k, &raw) in pages.iter().enumerate() {
-            let v = raw.to_i64();
-            let ok = v > 0 && v <= n && {
-                let s = slots[v as usize];
-                s.seen != stamp && s.count() > 0 && !s.cached() && s.count() < MAX_REFS
-            };
+            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
+            // Held (count >= 1), not cached (bit 31 clear) and below the maximum: one compare.
+            let ok = v != 0
+                && slots
+                    .get(v)
+                    .is_some_and(|s| s.seen != stamp && s.refs.wrapping_sub(1) < MAX_REFS - 1);
             if !ok {
                 for &done in &pages[..k] {
                     let s = &mut slots[done.to_i64() as usize];
@@ -445,9 +445,11 @@ impl PageAllocator {
                 }
                 return Err(self.held_error(raw, stamp, Use::Cache));
             }
-            let s = &mut slots[v as usize];
-            s.seen = stamp;
-            s.refs = (s.refs + 1) | CACHED;
+            let s = &mut slots[v];
+            *s = Slot {
+                refs: (s.refs + 1) | CACHED,
+                seen: stamp,
+            };
         }
         // Every holder that handed a page over still has its reference.
         self.shared_cached += pages.len();
