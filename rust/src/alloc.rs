@@ -250,7 +250,8 @@ impl PageAllocator {
             });
         }
         let start = self.free.len() - n;
-        let slots = &mut self.slots;
+        // A slice, not the Vec: its pointer and length stay in registers through the loop.
+        let slots = &mut self.slots[..];
         let out: Vec<T> = self.free[start..]
             .iter()
             .rev()
