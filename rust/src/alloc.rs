@@ -230,6 +230,18 @@ impl PageAllocator {
     /// # Errors
     /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, AllocError> {
+        self.take(n, |p| p)
+    }
+
+    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries) in one pass.
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc).
+    pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
+        self.take(n, PageId::as_i32)
+    }
+
+    fn take<T>(&mut self, n: usize, f: impl Fn(PageId) -> T) -> Result<Vec<T>, AllocError> {
         if n > self.free.len() {
             return Err(AllocError::OutOfPages {
                 requested: n,
@@ -238,11 +250,17 @@ impl PageAllocator {
             });
         }
         let start = self.free.len() - n;
-        let out: Vec<PageId> = self.free[start..].iter().rev().copied().collect();
+        // A slice, not the Vec: its pointer and length stay in registers through the loop.
+        let slots = &mut self.slots[..];
+        let out: Vec<T> = self.free[start..]
+            .iter()
+            .rev()
+            .map(|&p| {
+                slots[p.index()].refs = 1;
+                f(p)
+            })
+            .collect();
         self.free.truncate(start);
-        for p in &out {
-            self.slots[p.index()].refs = 1;
-        }
         Ok(out)
     }
 
@@ -252,19 +270,79 @@ impl PageAllocator {
     /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
     /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        self.check_held(pages, Use::Free)?;
-        for &raw in pages {
-            // Validated above: in range and held.
-            let i = raw.to_i64() as usize;
-            let s = &mut self.slots[i];
-            s.refs -= 1;
-            if s.refs == CACHED | 1 {
-                self.shared_cached -= 1;
-            } else if s.refs == 0 {
-                self.free.extend(PageId::new(i as u32));
+        // One pass that checks and applies each page (counters kept local, so the loop carries
+        // no store); on an error the pages already done are rolled back, so the call still
+        // changes nothing then. Pages that reached zero go to the free list afterwards.
+        let stamp = self.next_stamp();
+        let slots = &mut self.slots[..];
+        let (mut unshared, mut freed) = (0usize, 0usize);
+        for (k, &raw) in pages.iter().enumerate() {
+            // A negative id maps to an index out of range, like any id above num_pages.
+            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
+            let ok = v != 0
+                && slots
+                    .get(v)
+                    .is_some_and(|s| s.seen != stamp && s.count() > u32::from(s.cached()));
+            if !ok {
+                for &done in &pages[..k] {
+                    slots[done.to_i64() as usize].refs += 1;
+                }
+                return Err(self.held_error(raw, stamp, Use::Free));
             }
+            let s = &mut slots[v];
+            let refs = s.refs - 1;
+            *s = Slot { refs, seen: stamp };
+            unshared += usize::from(refs == CACHED | 1);
+            freed += usize::from(refs == 0);
+        }
+        self.shared_cached -= unshared;
+        if freed > 0 {
+            // Listed once each (checked above): the pages at zero now are the ones freed here.
+            let slots = &self.slots;
+            self.free.extend(pages.iter().filter_map(|&raw| {
+                let i = raw.to_i64() as u32;
+                if slots[i as usize].refs == 0 {
+                    PageId::new(i)
+                } else {
+                    None
+                }
+            }));
         }
         Ok(())
+    }
+
+    /// The error [`check_held`](Self::check_held) reports for `raw` (known to fail) in the call
+    /// of stamp `stamp`.
+    fn held_error<P: RawPage>(&self, raw: P, stamp: u32, what: Use) -> AllocError {
+        let p = match self.page(raw) {
+            Ok(p) => p,
+            Err(e) => return e,
+        };
+        let s = self.slots[p.index()];
+        let count = s.count();
+        // A repeat of an id this call already applied: report it as the repeat it is.
+        if s.seen == stamp {
+            return AllocError::Duplicate { page: p.get() };
+        }
+        if count == 0 {
+            return AllocError::NotAllocated { page: p.get() };
+        }
+        match what {
+            Use::Free => AllocError::OnlyCached { page: p.get() },
+            Use::Share | Use::Cache if count == MAX_REFS => {
+                AllocError::RefOverflow { page: p.get() }
+            }
+            _ => AllocError::AlreadyCached { page: p.get() },
+        }
+    }
+
+    fn next_stamp(&mut self) -> u32 {
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.slots.iter_mut().for_each(|s| s.seen = 0);
+            self.stamp = 1;
+        }
+        self.stamp
     }
 
     /// Adds one reference to each page (another holder shares it).
@@ -308,12 +386,7 @@ impl PageAllocator {
         pages: &[P],
         what: Use,
     ) -> Result<(), AllocError> {
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.slots.iter_mut().for_each(|s| s.seen = 0);
-            self.stamp = 1;
-        }
-        let stamp = self.stamp;
+        let stamp = self.next_stamp();
         for &raw in pages {
             let p = self.page(raw)?;
             let s = &mut self.slots[p.index()];
@@ -342,11 +415,50 @@ impl PageAllocator {
     }
 
     /// The cache's reference: taken on a held page not cached yet, checked by the caller.
+    #[cfg(test)]
     pub(crate) fn retain_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
         debug_assert!(s.count() > 0 && !s.cached() && s.count() < MAX_REFS);
         s.refs = (s.refs + 1) | CACHED;
         self.shared_cached += 1; // the holder that handed it over still has its reference
+    }
+
+    /// Takes the cache's reference on each page, which must be held, not cached yet and listed
+    /// once: validation and update in one pass (rolled back on an error, so nothing changes then).
+    /// Returns the pages as ids.
+    pub(crate) fn cache_pages<P: RawPage>(
+        &mut self,
+        pages: &[P],
+    ) -> Result<Vec<PageId>, AllocError> {
+        let stamp = self.next_stamp();
+        let slots = &mut self.slots[..];
+        for (k, &raw) in pages.iter().enumerate() {
+            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
+            // Held (count >= 1), not cached (bit 31 clear) and below the maximum: one compare.
+            let ok = v != 0
+                && slots
+                    .get(v)
+                    .is_some_and(|s| s.seen != stamp && s.refs.wrapping_sub(1) < MAX_REFS - 1);
+            if !ok {
+                for &done in &pages[..k] {
+                    let s = &mut slots[done.to_i64() as usize];
+                    s.refs = (s.refs & MAX_REFS) - 1;
+                }
+                return Err(self.held_error(raw, stamp, Use::Cache));
+            }
+            let s = &mut slots[v];
+            *s = Slot {
+                refs: (s.refs + 1) | CACHED,
+                seen: stamp,
+            };
+        }
+        // Every holder that handed a page over still has its reference.
+        self.shared_cached += pages.len();
+        // All validated as usable ids above.
+        Ok(pages
+            .iter()
+            .map(|&raw| PageId(NonZeroU32::new(raw.to_i64() as u32).unwrap_or(NonZeroU32::MIN)))
+            .collect())
     }
 
     /// Cached pages with another holder besides the cache.
@@ -355,19 +467,35 @@ impl PageAllocator {
     }
 
     /// Drops the cache's reference on a page it holds.
+    #[cfg(test)]
     pub(crate) fn release_cached(&mut self, p: PageId) {
-        let s = &mut self.slots[p.index()];
-        debug_assert!(
-            s.cached() && s.count() > 0,
-            "release of page {} the cache does not hold",
-            p.get()
-        );
-        if s.count() >= 2 {
-            self.shared_cached -= 1;
+        self.release_cached_all(&[p]);
+    }
+
+    /// Drops the cache's reference on each page (all held by it, each listed once). Slots are
+    /// updated in one tight pass; the pages that reached zero then go to the free list.
+    pub(crate) fn release_cached_all(&mut self, pages: &[PageId]) {
+        let slots = &mut self.slots[..];
+        let (mut unshared, mut freed) = (0usize, 0usize);
+        for &p in pages {
+            let s = &mut slots[p.index()];
+            debug_assert!(
+                s.cached() && s.count() > 0,
+                "release of page {} the cache does not hold",
+                p.get()
+            );
+            let count = s.count();
+            unshared += usize::from(count >= 2);
+            s.refs = count.saturating_sub(1);
+            freed += usize::from(s.refs == 0);
         }
-        s.refs = (s.refs & MAX_REFS).saturating_sub(1);
-        if s.refs == 0 {
-            self.free.push(p);
+        self.shared_cached -= unshared;
+        if freed == pages.len() {
+            self.free.extend_from_slice(pages);
+        } else if freed > 0 {
+            let slots = &self.slots;
+            self.free
+                .extend(pages.iter().copied().filter(|p| slots[p.index()].refs == 0));
         }
     }
 }

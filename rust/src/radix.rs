@@ -32,7 +32,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
-use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage, Use};
+use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
 /// Errors of the `radix` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -636,12 +636,9 @@ impl RadixCache {
                 cur = child;
             }
         }
+        // Validates the pages the tree takes and takes its reference on them (one pass).
         let new: Vec<PageId> = if pos < aligned {
-            let raw = &pages[pos / ps..full];
-            alloc.check_held(raw, Use::Cache)?;
-            raw.iter()
-                .filter_map(|&p| PageId::new(p.to_i64() as u32))
-                .collect()
+            alloc.cache_pages(&pages[pos / ps..full])?
         } else {
             Vec::new()
         };
@@ -666,9 +663,6 @@ impl RadixCache {
                 ..Node::default()
             });
             self.roots.insert(ns.as_bytes().into(), parent);
-        }
-        for &p in &new {
-            alloc.retain_cached(p);
         }
         let leaf = self.new_node(Node {
             parent,
@@ -791,9 +785,7 @@ impl RadixCache {
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
         }
-        for &p in &n.pages {
-            alloc.release_cached(p);
-        }
+        alloc.release_cached_all(&n.pages);
         self.evictable -= n.key.len();
         self.nodes[id as usize].generation = n.generation;
         self.free_node(id);
@@ -845,6 +837,25 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         n: usize,
     ) -> Result<Vec<PageId>, RadixError> {
+        self.make_room(alloc, n)?;
+        Ok(alloc.alloc(n)?)
+    }
+
+    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries).
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc).
+    pub fn alloc_i32(
+        &mut self,
+        alloc: &mut PageAllocator,
+        n: usize,
+    ) -> Result<Vec<i32>, RadixError> {
+        self.make_room(alloc, n)?;
+        Ok(alloc.alloc_i32(n)?)
+    }
+
+    /// Evicts until `n` pages are free; nothing changes when even evicting all would not do.
+    fn make_room(&mut self, alloc: &mut PageAllocator, n: usize) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         let free = alloc.num_free();
         if n > free {
@@ -859,7 +870,7 @@ impl RadixCache {
             }
             self.apply(alloc, &plan);
         }
-        Ok(alloc.alloc(n)?)
+        Ok(())
     }
 
     /// Empties the cache (dropping the tree's page references) and zeroes the counters. Every
@@ -882,9 +893,7 @@ impl RadixCache {
             });
         }
         for n in &self.nodes {
-            for &p in &n.pages {
-                alloc.release_cached(p);
-            }
+            alloc.release_cached_all(&n.pages);
         }
         let fresh = Self::new(alloc, self.page_size)?;
         *self = fresh;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use super::array::{count, ints, page_array};
+use super::array::{count, ints};
 use super::error::to_py;
 use crate::alloc::{AllocError, PageAllocator};
 
@@ -40,8 +40,10 @@ impl PyPageAllocator {
     }
 
     fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let pages = guard(&self.inner).alloc(count("n", n)?).map_err(to_py)?;
-        Ok(page_array(py, &pages))
+        let pages = guard(&self.inner)
+            .alloc_i32(count("n", n)?)
+            .map_err(to_py)?;
+        Ok(PyArray1::from_vec(py, pages))
     }
 
     fn try_alloc<'py>(
@@ -49,8 +51,8 @@ impl PyPageAllocator {
         py: Python<'py>,
         n: i64,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        match guard(&self.inner).alloc(count("n", n)?) {
-            Ok(pages) => Ok(Some(page_array(py, &pages))),
+        match guard(&self.inner).alloc_i32(count("n", n)?) {
+            Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
             Err(AllocError::OutOfPages { .. }) => Ok(None),
             Err(e) => Err(to_py(e)),
         }

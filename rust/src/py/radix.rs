@@ -4,7 +4,8 @@
 //! so both Python objects see one allocator (requests allocate and free through either). The tree
 //! has its own mutex; calls that touch both lock the cache first, then the allocator.
 
-use std::sync::Mutex;
+use std::borrow::Cow;
+use std::sync::{Mutex, OnceLock};
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -80,14 +81,16 @@ fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
 }
 
 /// Python value -> namespace key: None, int, str, bytes, or (nested) tuples, tag-encoded.
-fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Namespace> {
+/// The default namespace is built once (no allocation per call).
+fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>> {
+    static NONE: OnceLock<Namespace> = OnceLock::new();
     match obj {
-        None => Ok(Namespace::none()),
-        Some(o) => {
+        Some(o) if !o.is_none() => {
             let mut b = Namespace::builder();
             encode(&mut b, o, 0)?;
-            Ok(b.finish())
+            Ok(Cow::Owned(b.finish()))
         }
+        _ => Ok(Cow::Borrowed(NONE.get_or_init(Namespace::none))),
     }
 }
 
@@ -133,9 +136,11 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
         let tokens = arr.tokens("tokens")?;
-        let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / guard(&self.cache).page_size());
-        let (node, len) = guard(&self.cache)
-            .match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
+        let mut c = guard(&self.cache);
+        let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / c.page_size());
+        let (node, len) =
+            c.match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
+        drop(c);
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
@@ -175,8 +180,8 @@ impl PyRadixCache {
     fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", n)?;
         let mut c = guard(&self.cache);
-        let pages = c.alloc(&mut guard(&self.alloc), n).map_err(to_py)?;
-        Ok(page_array(py, &pages))
+        let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
+        Ok(PyArray1::from_vec(py, pages))
     }
 
     fn try_alloc<'py>(
@@ -186,8 +191,8 @@ impl PyRadixCache {
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n)?;
         let mut c = guard(&self.cache);
-        match c.alloc(&mut guard(&self.alloc), n) {
-            Ok(pages) => Ok(Some(page_array(py, &pages))),
+        match c.alloc_i32(&mut guard(&self.alloc), n) {
+            Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
             Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
             Err(e) => Err(to_py(e)),
         }
