@@ -17,6 +17,7 @@ Rules (each learnt from a fault seen in a peer engine, see ``shared/CASES.md``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -38,7 +39,8 @@ _DTYPE_NAMES = {
     "fp32": "fp32",
     "float": "fp32",
 }
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: Bytes per value of each model compute dtype.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _MAX_FIELD = 1 << 40
 _MAX_LAYERS = 1 << 16
 
@@ -287,6 +289,17 @@ class ModelSpec:
             path=path,
         )
 
+    def with_dtype(self, dtype: str) -> ModelSpec:
+        """The same spec with the caller's compute dtype (what ``auto`` KV resolves to).
+
+        Raises
+        ------
+        ModelConfigError
+            ``dtype`` is not one of the fp32/bf16/fp16 names.
+        """
+        d, src = _model_dtype(_Fields({}), dtype)
+        return dataclasses.replace(self, dtype=d, dtype_source=src)
+
     # ------------------------------------------------------------------ derived
     @property
     def num_layers(self) -> int:
@@ -338,7 +351,7 @@ class ModelSpec:
                 )
         key_dim = kh * la["key_head_dim"] // tp_size
         value_dim = vh * la["value_head_dim"] // tp_size
-        conv = (2 * key_dim + value_dim) * (la["conv_kernel"] - 1) * _DTYPE_BYTES[self.dtype]
+        conv = (2 * key_dim + value_dim) * (la["conv_kernel"] - 1) * DTYPE_BYTES[self.dtype]
         ssm = (vh // tp_size) * la["key_head_dim"] * la["value_head_dim"] * la["ssm_dtype_bytes"]
         return (conv, ssm)
 
@@ -448,5 +461,5 @@ def _linear_attention(f: _Fields) -> dict[str, Any]:
         "key_head_dim": f.int("linear_key_head_dim"),
         "value_head_dim": f.int("linear_value_head_dim"),
         "conv_kernel": f.int("linear_conv_kernel_dim"),
-        "ssm_dtype_bytes": _DTYPE_BYTES[ssm_dtype],
+        "ssm_dtype_bytes": DTYPE_BYTES[ssm_dtype],
     }

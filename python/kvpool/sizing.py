@@ -181,14 +181,7 @@ def _spec(model: ModelSpec | dict | str | os.PathLike[str], model_dtype: str | N
 
         raise ModelConfigError("`model` is an empty string")
     if isinstance(model, ModelSpec):
-        if model_dtype is not None:
-            from dataclasses import replace
-
-            from kvpool.config import _Fields, _model_dtype
-
-            d, src = _model_dtype(_Fields({}), model_dtype)
-            return replace(model, dtype=d, dtype_source=src)
-        return model
+        return model if model_dtype is None else model.with_dtype(model_dtype)
     return ModelSpec.from_pretrained(model, dtype=model_dtype)
 
 

@@ -14,11 +14,11 @@ import json
 from typing import TYPE_CHECKING
 
 from kvpool._core import ModelConfigError
+from kvpool.config import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from kvpool.config import ModelSpec
 
-_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def checkpoint_bytes(spec: ModelSpec) -> int | None:
@@ -92,7 +92,7 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
 def estimate_weight_bytes(spec: ModelSpec) -> int:
     """Estimated bytes of the model's weights on one device (no TP split), see module doc."""
     c = parameter_counts(spec)
-    wb = _BYTES[spec.dtype] if spec.dtype in _BYTES else 2
+    wb = DTYPE_BYTES[spec.dtype]
     q = spec.fields.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
     plain = (c["embed"] + c["norms"]) * wb

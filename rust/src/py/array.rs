@@ -62,8 +62,13 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input).
-    pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
+    /// int32 values, borrowed for int32 input; int64 input is narrowed by `narrow`, whose error
+    /// names the room's bad value.
+    fn int32s<E: Into<crate::Error>>(
+        &self,
+        name: &str,
+        narrow: fn(&[i64]) -> Result<Vec<i32>, E>,
+    ) -> PyResult<Cow<'_, [i32]>> {
         match self {
             Self::I32(a) => a
                 .as_slice()
@@ -71,23 +76,19 @@ impl Ints<'_> {
                 .map_err(|_| contiguous(self.py(), name)),
             Self::I64(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
-                radix::narrow_tokens(s).map(Cow::Owned).map_err(to_py)
+                narrow(s).map(Cow::Owned).map_err(to_py)
             }
         }
     }
 
+    /// Token ids as int32 (borrowed for int32 input).
+    pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
+        self.int32s(name, radix::narrow_tokens)
+    }
+
     /// Page ids as int32 (borrowed for int32 input).
     pub(crate) fn pages(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
-        match self {
-            Self::I32(a) => a
-                .as_slice()
-                .map(Cow::Borrowed)
-                .map_err(|_| contiguous(self.py(), name)),
-            Self::I64(a) => {
-                let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
-                alloc::narrow_pages(s).map(Cow::Owned).map_err(to_py)
-            }
-        }
+        self.int32s(name, alloc::narrow_pages)
     }
 
     /// Lengths as int64 (borrowed for int64 input).
