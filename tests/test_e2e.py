@@ -333,30 +333,42 @@ def _teacher_forced(model, dtype, ids, backend, scales=None):
 @needs_cuda
 @needs_smollm2
 def test_smollm2_triton_kernels_match_torch_attention_gpu(smol_gpu):
-    """The real model (bf16, bf16 cache) through the Triton kernels predicts what it predicts
-    through the torch reference attention: teacher forcing of the whole fixed text (extend) and
-    decode steps of a batch."""
-    _, b16, tok = smol_gpu
+    """Through the Triton kernels the real model predicts what it predicts through the torch
+    reference attention.
+
+    fp32 model with a bf16 cache (the CPU fidelity setting): teacher forcing of the whole text
+    (extend) agrees on >= 99% of positions (H200: 99.74%, KL 3.6e-5). The bf16 model: its own bf16
+    rounding moves predictions more than the attention path does (its plain SDPA run agrees with
+    the fp32 reference on 96.2% only), so there both paths must be equally close to the fp32
+    reference (H200: 96.4% each). Then greedy decode in the batching loop gives the same tokens
+    through either path.
+    """
+    f32, b16, tok = smol_gpu
     ids = torch.tensor(fixed_text(tok))
-    tri = _teacher_forced(b16, "bf16", ids, "triton")
-    tor = _teacher_forced(b16, "bf16", ids, "torch")
-    m = fidelity.metrics(tor[:-1], tri[:-1], ids[1:])
-    assert m["top1"] >= 0.99 and m["kl"] < 1e-3, m
-    # the batching loop, decode through pool.decode: identical greedy tokens with either path
-    # on a short horizon (bf16 near-ties may part them later, so few tokens)
+    tgt = ids[1:]
+    tri = _teacher_forced(f32, "bf16", ids, "triton")
+    tor = _teacher_forced(f32, "bf16", ids, "torch")
+    m = fidelity.metrics(tor[:-1], tri[:-1], tgt)
+    assert m["top1"] >= 0.99 and m["kl"] < 1e-4, m
+    ref32, _ = f32.forward_reference(ids)
+    t16 = fidelity.metrics(ref32[:-1], _teacher_forced(b16, "bf16", ids, "triton")[:-1], tgt)
+    r16 = fidelity.metrics(ref32[:-1], _teacher_forced(b16, "bf16", ids, "torch")[:-1], tgt)
+    assert abs(t16["top1"] - r16["top1"]) <= 0.01 and t16["kl"] < 2 * r16["kl"], (t16, r16)
+    # the batching loop (prefill through pool.extend, then pool.decode), fp32 model, bf16 cache
     q = [tok.encode(serve.chat(serve.SYSTEM, x)).ids for x in serve.QUESTIONS[:4]]
     outs = {}
     for backend in ("triton", "torch"):
-        b16.attn_backend = backend
-        eng = make_engine(b16, 4096, 16, dtype="bf16", max_running=4)
-        reqs = [eng.submit(p, 4, arrival=i) for i, p in enumerate(q)]
+        f32.attn_backend = backend
+        eng = make_engine(f32, 4096, 16, dtype="bf16", max_running=4)
+        reqs = [eng.submit(p, 8, arrival=i) for i, p in enumerate(q)]
         eng.run()
-        b16.attn_backend = "auto"
+        f32.attn_backend = "auto"
         outs[backend] = [r.output for r in reqs]
+        assert eng.stats.cached_tokens > 0  # the shared system prompt was matched
         assert_no_leak(eng)
     same = sum(a == b for o, p in zip(outs["triton"], outs["torch"], strict=True)
                for a, b in zip(o, p, strict=True))
-    assert same >= 14, outs  # of 16
+    assert same >= 28, outs  # of 32 (a near-tie may part one request's tail)
 
 
 @pytest.mark.gpu
