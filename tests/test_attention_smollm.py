@@ -1,0 +1,112 @@
+"""Fused paged attention at the geometry of the model used end to end, SmolLM2-135M:
+head_dim 64, 9 query heads over 3 KV heads (GQA group 3, not a power of two), page_size 1 and 16.
+
+Every KV dtype, decode and ragged extend (prefixes that end mid-page, an empty prefix, a request
+with no new tokens, seq_len 1), against the fp64 oracle of test_attention (dense dequantized K/V,
+no paging code shared with the launchers). The interpreted tests keep the shapes tiny; the GPU
+tests run the same geometry at real lengths, every decode/extend path (default plans, no split,
+many splits, the word-level FP4 decode on and off), and check decode against one-token extends.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool import attention  # noqa: E402
+from test_attention import DTYPES, FP4, TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
+
+HQ, HK, D = 9, 3, 64
+
+
+# ----------------------------------------------------------------------------- interpreted
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_smollm_decode_interpret(dtype, page):
+    cache = Cache(dtype, [1, 18, 33], heads=HK, d=D, page=page, heavy=dtype != "fp32")
+    for kw in ({"num_splits": 2, "block_n": 16}, {"num_splits": 1, "block_n": 16}):
+        out, ref = run_decode(cache, HQ, backend="triton", plan_kw=kw)
+        assert rel_err(out, ref) < TOL[dtype], kw
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_smollm_extend_interpret(dtype, page):
+    # prefixes 17 (mid-page), 0, 16, 0, 22 (mid-page); request 2 has no new tokens
+    cache = Cache(dtype, [21, 6, 16, 1, 27], heads=HK, d=D, page=page, heavy=dtype != "fp32")
+    out, ref = run_extend(cache, HQ, [4, 6, 0, 1, 5], backend="triton")
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", FP4)
+def test_smollm_fp4_word_decode_interpret(dtype):
+    cache = Cache(dtype, [19, 3], heads=HK, d=D, page=16, heavy=True)
+    out, ref = run_decode(
+        cache, HQ, backend="triton", plan_kw={"num_splits": 2, "block_n": 16, "asm": True}
+    )
+    assert rel_err(out, ref) < TOL[dtype]
+    out, ref = run_extend(cache, HQ, [7, 3], backend="triton", use_plan=True, plan_kw={"asm": True})
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_smollm_decode_gpu(dtype, page):
+    lens = [1, 15, 16, 17, 100, 517, 2049]
+    cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
+    kws = [{}, {"num_splits": 1}, {"num_splits": 7, "block_n": 32}]
+    if dtype in FP4:
+        kws += [{"asm": False}, {"asm": True, "block_n": 128}]
+    for kw in kws:
+        out, ref = run_decode(cache, HQ, backend="triton", device="cuda", plan_kw=kw)
+        assert rel_err(out, ref) < TOL[dtype], kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [1, 16])
+def test_smollm_extend_gpu(dtype, page):
+    # prefixes 283 (mid-page), 0, 64, 0, 1 (mid-page), 100
+    lens = [300, 45, 80, 1, 2, 100]
+    qlens = [17, 45, 16, 1, 1, 0]
+    cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
+    kws = [None, {}]
+    if dtype in FP4:
+        kws += [{"asm": False}, {"asm": True}]
+    for kw in kws:
+        out, ref = run_extend(
+            cache,
+            HQ,
+            qlens,
+            backend="triton",
+            device="cuda",
+            use_plan=kw is not None,
+            plan_kw=kw,
+        )
+        assert rel_err(out, ref) < TOL[dtype], kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_smollm_decode_equals_one_token_extend_gpu(dtype):
+    """The last token of each request through decode and through a one-token extend: two
+    different kernels over the same pages must agree to the rounding of their outputs."""
+    lens = [5, 64, 333]
+    cache = Cache(dtype, lens, heads=HK, d=D, page=16, device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    dec = attention.decode(cache.view, q, cache.page_table, cache.seq_lens)
+    cu = torch.arange(len(lens) + 1, dtype=torch.int32, device="cuda")
+    ext = attention.extend(cache.view, q, cu, cache.page_table, cache.seq_lens)
+    ref = attention.reference_decode(cache.view, q, cache.page_table, cache.seq_lens)
+    scale = ref.abs().max().item()
+    assert (dec.float() - ref).abs().max().item() < TOL[dtype] * scale
+    assert (ext.float() - ref).abs().max().item() < TOL[dtype] * scale
