@@ -21,6 +21,7 @@ from kvpool.pool import LayerView  # noqa: E402
 
 DTYPES = formats.DTYPES
 FP4 = ("nvfp4", "fp4_mx_block16")
+WORDS = ("fp8_e4m3", "fp8_e5m2", *FP4)  # caches with the word-level decode (asm)
 # q in bf16 for every cache except fp32 (fp32 q): relative tolerance of the Triton path
 TOL = {
     "fp32": 2e-5,
@@ -526,10 +527,10 @@ def test_decode_interpret_default_plan_and_group_not_pow2():
 
 
 @interpret
-@pytest.mark.parametrize("dtype", FP4)
+@pytest.mark.parametrize("dtype", WORDS)
 @pytest.mark.parametrize("what", ["decode", "extend"])
-def test_fp4_word_decode_interpret(dtype, what):
-    """The opt-in word-level FP4 decode (asm=True), run through its plain-Triton emulation:
+def test_word_decode_interpret(dtype, what):
+    """The word-level FP4/fp8 decode (asm=True), run through its plain-Triton emulation:
     word loads, scale broadcast and output order around the PTX block."""
     cache = Cache(dtype, [33, 5, 17], heads=2, d=32, page=16, heavy=True)
     if what == "decode":
@@ -585,16 +586,16 @@ gpu = pytest.mark.gpu
 def test_decode_gpu_llama_geometry(dtype, heavy):
     lens = [1, 15, 16, 17, 300, 1000, 4097, 2000]
     cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda", heavy=heavy)
-    kws = [
-        {},
-        {"num_splits": 1},
-        {"num_splits": 5, "block_n": 32},
-        {"use_dot": False},
-        {"prefetch": True, "num_splits": 1, "block_n": 128},
-        {"block_n": 128, "num_stages": 3},
-    ]  # the faster opt-in fp8 tiles
-    if dtype in FP4:
-        kws += [{"asm": True}, {"asm": True, "block_n": 128}]  # opt-in inline-PTX decode
+    kws = [{}, {"num_splits": 1}]
+    if heavy:  # every other path once (each is one more compile)
+        kws += [
+            {"num_splits": 5, "block_n": 32},
+            {"use_dot": False},
+            {"prefetch": True, "num_splits": 1, "block_n": 128},
+            {"block_n": 64, "num_stages": 3},
+        ]
+        if dtype in WORDS:  # the word-level decode on and off, whichever is the default
+            kws += [{"asm": True}, {"asm": False}]
     for kw in kws:
         out, ref = run_decode(cache, 32, backend="triton", device="cuda", plan_kw=kw)
         assert rel_err(out, ref) < TOL[dtype], kw
@@ -624,9 +625,9 @@ def test_decode_gpu_batch_256_page_sizes(dtype):
 def test_extend_gpu(dtype):
     lens = [600, 64, 129, 1]
     cache = Cache(dtype, lens, heads=8, d=128, page=64, device="cuda", heavy=True)
-    kws = [None, {}, {"num_stages": 3}, {"block_n": 128}]
-    if dtype in FP4:
-        kws += [{"asm": True}, {"asm": True, "block_n": 128}]
+    kws = [None, {"block_n": 128, "num_stages": 3}]
+    if dtype in WORDS:  # the word-level decode on and off, whichever is the default
+        kws += [{"asm": True}, {"asm": False}]
     for kw in kws:
         out, ref = run_extend(
             cache,

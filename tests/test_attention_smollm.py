@@ -5,7 +5,7 @@ Every KV dtype, decode and ragged extend (prefixes that end mid-page, an empty p
 with no new tokens, seq_len 1), against the fp64 oracle of test_attention (dense dequantized K/V,
 no paging code shared with the launchers). The interpreted tests keep the shapes tiny; the GPU
 tests run the same geometry at real lengths, every decode/extend path (default plans, no split,
-many splits, the word-level FP4 decode on and off), and check decode against one-token extends.
+many splits, the word-level FP4/fp8 decode on and off), and check decode against one-token extends.
 """
 
 import pytest
@@ -13,7 +13,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool import attention  # noqa: E402
-from test_attention import DTYPES, FP4, TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
+from test_attention import (  # noqa: E402
+    DTYPES,
+    TOL,
+    WORDS,
+    Cache,
+    rel_err,
+    run_decode,
+    run_extend,
+)
 
 HQ, HK, D = 9, 3, 64
 
@@ -42,8 +50,8 @@ def test_smollm_extend_interpret(dtype, page):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("dtype", FP4)
-def test_smollm_fp4_word_decode_interpret(dtype):
+@pytest.mark.parametrize("dtype", WORDS)
+def test_smollm_word_decode_interpret(dtype):
     cache = Cache(dtype, [19, 3], heads=HK, d=D, page=16, heavy=True)
     out, ref = run_decode(
         cache, HQ, backend="triton", plan_kw={"num_splits": 2, "block_n": 16, "asm": True}
@@ -63,7 +71,7 @@ def test_smollm_decode_gpu(dtype, page):
     lens = [1, 15, 16, 17, 100, 517, 2049]
     cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
     kws = [{}, {"num_splits": 1}, {"num_splits": 7, "block_n": 32}]
-    if dtype in FP4:
+    if dtype in WORDS:
         kws += [{"asm": False}, {"asm": True, "block_n": 128}]
     for kw in kws:
         out, ref = run_decode(cache, HQ, backend="triton", device="cuda", plan_kw=kw)
@@ -79,7 +87,7 @@ def test_smollm_extend_gpu(dtype, page):
     qlens = [17, 45, 16, 1, 1, 0]
     cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
     kws = [None, {}]
-    if dtype in FP4:
+    if dtype in WORDS:
         kws += [{"asm": False}, {"asm": True}]
     for kw in kws:
         out, ref = run_extend(

@@ -53,7 +53,16 @@ def load_raw(
     """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
     ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
     scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
-    if FMT < 2:
+    if FMT == 1 and ASM:  # fp8 bytes as int32 words (rows are 4-byte aligned: D % 4 == 0)
+        d4 = tl.arange(0, D // 4)
+        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x = tl.load(
+            wp + slot[:, None] * (stride_row // 4) + head * (D // 4) + d4[None, :],
+            mask=mask[:, None],
+            other=0,
+        )
+        return x, mask
+    elif FMT < 2:
         d = tl.arange(0, D)
         x = tl.load(
             ptr + slot[:, None] * stride_row + head * D + d[None, :], mask=mask[:, None], other=0.0
@@ -181,6 +190,40 @@ def e2m1_words_f16(
 
 
 @triton.jit
+def fp8_words_f16(w, BN: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr, EMULATE: tl.constexpr):
+    """Word-level fp8 decode: words ``[BN, D/4]`` int32 (element ``4j + i`` in byte ``i`` of word
+    ``j``) -> ``[BN, D]`` fp16, exact. e4m3: ``cvt.rn.f16x2.e4m3x2`` on each half-word (inline
+    PTX; ``EMULATE``: per-byte conversion in plain Triton for the interpreter); e5m2: the byte is
+    the high byte of the fp16 (integer shifts). Converting in the load layout keeps Triton from
+    moving the conversion behind the dot's shared-memory operand load, where it reads fp8 V
+    tiles one byte at a time (seen in the PTX for sm_90: 128 ``ld.shared.b8`` per thread and
+    128-token tile)."""
+    if E5M2:
+        o0 = ((w << 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o1 = (w & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o2 = ((w >> 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o3 = ((w >> 16) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+    elif EMULATE:
+        o0 = byte_e4m3_f16(w, 0)
+        o1 = byte_e4m3_f16(w, 8)
+        o2 = byte_e4m3_f16(w, 16)
+        o3 = byte_e4m3_f16(w, 24)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 l, h; .reg .b32 f0, f1; mov.b32 {l, h}, $4; "
+            "cvt.rn.f16x2.e4m3x2 f0, l; cvt.rn.f16x2.e4m3x2 f1, h; "
+            "mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; }",
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    # [..., p, q] holds element 4j + 2p + q (tl.join adds the new last axis)
+    return tl.join(tl.join(o0, o2), tl.join(o1, o3)).reshape(BN, D)
+
+
+@triton.jit
 def dequant(
     x,
     s,
@@ -190,6 +233,7 @@ def dequant(
     CDT: tl.constexpr,
     SKIP_SCALE: tl.constexpr = False,
     ASM: tl.constexpr = 0,
+    E5M2: tl.constexpr = False,
 ):
     """``load_raw`` output -> ``[BN, D]`` in CDT.
 
@@ -198,10 +242,13 @@ def dequant(
     FMT 3 (mx): ``e2m1 * 2^(e - 127)`` exact, for stored exponents up to 248 (larger ones,
     |x| > 6 * 2^121, are clamped). Block scales come as uint8 (nvfp4: e4m3 bits, reinterpreted
     here). ``SKIP_SCALE`` (benchmark ablation only) leaves the FP4 block scale out. ``ASM``
-    (FP4): ``x`` holds int32 words and the nibbles are decoded by ``e2m1_words_f16`` (1: inline
-    PTX on the GPU, 2: its plain-Triton emulation for the interpreter).
+    (FP4, fp8): ``x`` holds int32 words, decoded by ``e2m1_words_f16`` / ``fp8_words_f16`` (1:
+    inline PTX on the GPU, 2: its plain-Triton emulation for the interpreter); ``E5M2``: the fp8
+    words hold e5m2 bytes.
     """
-    if FMT < 2:
+    if FMT == 1 and ASM:
+        return fp8_words_f16(x, BN, D, E5M2, ASM == 2).to(CDT)
+    elif FMT < 2:
         return x.to(CDT)
     else:
         if ASM:
@@ -246,7 +293,7 @@ def load_kv_tile(
 ):
     """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
     x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)
-    return dequant(x, s, BN, D, FMT, CDT, False, ASM)
+    return dequant(x, s, BN, D, FMT, CDT, False, ASM, ptr.dtype.element_ty == tl.float8e5)
 
 
 @triton.jit
@@ -389,7 +436,9 @@ def decode_kernel(
         if ABLATE == 3:
             qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
         else:
-            k = dequant(kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM)
+            k = dequant(
+                kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM, K.dtype.element_ty == tl.float8e5
+            )
             if ABLATE == 2:
                 qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
             elif USE_DOT:
@@ -410,7 +459,9 @@ def decode_kernel(
         if ABLATE == 3:
             pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
         else:
-            v = dequant(vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM)
+            v = dequant(
+                vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM, V.dtype.element_ty == tl.float8e5
+            )
             if ABLATE == 2:
                 pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
             elif USE_DOT:

@@ -203,13 +203,20 @@ def _interpreting() -> bool:
 
 
 def _asm_ok(dtype: str) -> bool:
-    """Whether the word-level FP4 decode applies (FP4 caches).
+    """Whether the word-level decode exists for this cache dtype (FP4 and fp8 caches)."""
+    return dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
 
-    The default for FP4 decode (``asm=None``): on the H200 it took nvfp4 decode at B=64/8k from
-    0.721 ms to 0.489 ms, and the fixed version passed every decode GPU test (run 4,
-    benches/attention/results/run4_h200). Extend keeps it opt-in: its GPU tests have not run.
-    """
-    return dtype in ("nvfp4", "fp4_mx_block16")
+
+# Where the word-level decode is the default (``asm=None``), per kernel, as measured on the
+# H200 (benches/attention/results): FP4 decode went from 0.721 ms to 0.489 ms at B=64/8k (run 4).
+_ASM_DEFAULT = {
+    "decode": ("nvfp4", "fp4_mx_block16"),
+    "extend": (),
+}
+
+
+def _asm_default(dtype: str, kernel: str) -> bool:
+    return dtype in _ASM_DEFAULT[kernel]
 
 
 def _asm_mode(asm: bool) -> int:
@@ -252,8 +259,8 @@ class DecodePlan:
         FP4 only, opt-in: decode nibbles with inline PTX on 32-bit words (GPU); else plain
         Triton ops (also what the CPU interpreter runs).
     ablate : int
-        Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
-        are wrong when nonzero.
+        Benchmarks only: leave one kernel stage out (0 = none; 1-3 see ``decode_kernel``; 4 = the
+        split merge). Results are wrong when nonzero.
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     """
@@ -321,7 +328,7 @@ def plan_decode(
     # stages; FP4 with the word-level decode (asm) and 128-token tiles (run 4).
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
-        asm = use_dot and _asm_ok(view.dtype)
+        asm = use_dot and _asm_default(view.dtype, "decode")
     if block_n is None:
         block_n = (128 if fp8 or asm else 64) if use_dot else 32
     if num_stages is None:
@@ -410,7 +417,7 @@ def plan_extend(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    asm: bool = False,
+    asm: bool | None = None,
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
@@ -437,7 +444,7 @@ def plan_extend(
         block_n,
         num_warps,
         num_stages,
-        bool(asm) and _asm_ok(view.dtype),
+        _asm_default(view.dtype, "extend") if asm is None else bool(asm) and _asm_ok(view.dtype),
     )
 
 
@@ -600,7 +607,7 @@ def decode(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    if s > 1:
+    if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
         merge_kernel[(bsz, hq)](
             plan.part_out,
             plan.part_lse,
@@ -749,11 +756,13 @@ def extend(
 
     if plan is not None:
         block_t, block_n, nw, ns = plan.block_t, plan.block_n, plan.num_warps, plan.num_stages
+        asm = plan.asm
         work = plan.work
         grid0 = work.shape[0]
         blocks_per_req = 1
     else:
         block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
+        asm = _asm_default(view.dtype, "extend")
         work = None
         blocks_per_req = -(-t // block_t)
         grid0 = bsz * blocks_per_req
@@ -806,7 +815,7 @@ def extend(
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
         USE_WORK=work is not None,
-        ASM=_asm_mode(plan is not None and plan.asm),
+        ASM=_asm_mode(asm),
         num_warps=nw,
         num_stages=ns,
     )
