@@ -486,6 +486,17 @@ def test_decode_interpret_every_dtype(dtype, use_dot):
 
 
 @interpret
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [3, 4])
+def test_decode_interpret_swap(dtype, group):
+    """Transposed dots (swap=True): the KV tile as the MMA's M side, the group unpadded."""
+    cache = Cache(dtype, [1, 21, 40], heads=2, d=32, page=16, heavy=dtype != "fp32")
+    kw = {"num_splits": 2, "block_n": 16, "swap": True, "asm": dtype in WORDS}
+    out, ref = run_decode(cache, 2 * group, backend="triton", plan_kw=kw)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@interpret
 @pytest.mark.parametrize("page", [1, 16, 64])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("prefetch", [False, True])
@@ -593,6 +604,8 @@ def test_decode_gpu_llama_geometry(dtype, heavy):
             {"use_dot": False},
             {"prefetch": True, "num_splits": 1, "block_n": 128},
             {"block_n": 64, "num_stages": 3},
+            {"swap": True, "num_splits": 3},
+            {"swap": True, "num_splits": 1, "block_n": 64},
         ]
         if dtype in WORDS:  # the word-level decode on and off, whichever is the default
             kws += [{"asm": True}, {"asm": False}]

@@ -34,7 +34,12 @@ HQ, HK, D = 9, 3, 64
 @pytest.mark.parametrize("page", [1, 16])
 def test_smollm_decode_interpret(dtype, page):
     cache = Cache(dtype, [1, 18, 33], heads=HK, d=D, page=page, heavy=dtype != "fp32")
-    for kw in ({"num_splits": 2, "block_n": 16}, {"num_splits": 1, "block_n": 16}):
+    kws = (
+        {"num_splits": 2, "block_n": 16},
+        {"num_splits": 1, "block_n": 16},
+        {"num_splits": 2, "block_n": 16, "swap": True},
+    )
+    for kw in kws:
         out, ref = run_decode(cache, HQ, backend="triton", plan_kw=kw)
         assert rel_err(out, ref) < TOL[dtype], kw
 
@@ -70,7 +75,7 @@ def test_smollm_word_decode_interpret(dtype):
 def test_smollm_decode_gpu(dtype, page):
     lens = [1, 15, 16, 17, 100, 517, 2049]
     cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
-    kws = [{}, {"num_splits": 1}, {"num_splits": 7, "block_n": 32}]
+    kws = [{}, {"num_splits": 1}, {"num_splits": 7, "block_n": 32}, {"swap": True}]
     if dtype in WORDS:
         kws += [{"asm": False}, {"asm": True, "block_n": 128}]
     for kw in kws:

@@ -356,6 +356,7 @@ def decode_kernel(
     PREFETCH: tl.constexpr,
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -365,6 +366,8 @@ def decode_kernel(
     out to measure what it costs: 1 = FP4 block-scale multiply, 2 = the dots (tiles still
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
+    ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
+    as the MMA's M side.
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -406,76 +409,130 @@ def decode_kernel(
     acc = tl.zeros([GP, DV], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
 
-    if PREFETCH:
-        # software pipeline: raw K/V one tile ahead, page ids two tiles ahead, so no load
-        # waits on another load issued in the same iteration
-        t = start + tl.arange(0, BLOCK_N)
-        tm = t < end
-        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-        kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-        vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-        t1 = t + BLOCK_N
-        page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
-
-    for s in range(start, end, BLOCK_N):
-        t = s + tl.arange(0, BLOCK_N)
-        tm = t < end
-        if PREFETCH:
-            tn = t + BLOCK_N
-            tnm = tn < end
-            sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
-            kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-            vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-            tnn = tn + BLOCK_N
-            page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
-        else:
+    if SWAP:
+        # Transposed tiles: S^T = K q^T and O^T = V^T P^T, so the KV tile is the M side of the
+        # MMA and the query group its N side (padded to 8 by the hardware shape m16n8k16, not
+        # to 16 rows): half the tensor-core work of the padded-group form, and the softmax runs
+        # on [BLOCK_N, GP] instead of [16, BLOCK_N].
+        qt = tl.trans(q)  # [D, GP]
+        acc_t = tl.zeros([DV, GP], tl.float32)
+        for s in range(start, end, BLOCK_N):
+            t = s + tl.arange(0, BLOCK_N)
+            tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
             kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-        if ABLATE == 3:
-            qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
-        else:
             k = dequant(
                 kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM, K.dtype.element_ty == tl.float8e5
             )
-            if ABLATE == 2:
-                qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
-            elif USE_DOT:
-                if IS_F32:
-                    qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
+            if IS_F32:
+                qk_t = tl.dot(k, qt, input_precision="tf32x3")
             else:
-                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
-        qk = tl.where(tm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH:
+                qk_t = tl.dot(k, qt)
+            qk_t = softmax_logits(qk_t, qk_scale, softcap, HAS_SOFTCAP)
+            qk_t = tl.where(tm[:, None], qk_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(qk_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
             vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-        if ABLATE == 3:
-            pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
-        else:
             v = dequant(
                 vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM, V.dtype.element_ty == tl.float8e5
             )
-            if ABLATE == 2:
-                pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
-            elif USE_DOT:
-                if IS_F32:
-                    pv = tl.dot(p, v, input_precision="tf32x3")
-                else:
-                    pv = tl.dot(p.to(CDT), v)
+            if IS_F32:
+                pv_t = tl.dot(tl.trans(v), p_t, input_precision="tf32x3")
             else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+                pv_t = tl.dot(tl.trans(v), p_t.to(CDT))
+            acc_t = acc_t * alpha[None, :] + pv_t
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
         if PREFETCH:
-            kx, ks, vx, vs = kxn, ksn, vxn, vsn
-            page_next = page_nn
+            # software pipeline: raw K/V one tile ahead, page ids two tiles ahead, so no load
+            # waits on another load issued in the same iteration
+            t = start + tl.arange(0, BLOCK_N)
+            tm = t < end
+            page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            t1 = t + BLOCK_N
+            page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
+
+        for s in range(start, end, BLOCK_N):
+            t = s + tl.arange(0, BLOCK_N)
+            tm = t < end
+            if PREFETCH:
+                tn = t + BLOCK_N
+                tnm = tn < end
+                sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
+                kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+                vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+                tnn = tn + BLOCK_N
+                page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
+            else:
+                page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+                slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+                kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            if ABLATE == 3:
+                qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
+            else:
+                k = dequant(
+                    kx,
+                    ks,
+                    BLOCK_N,
+                    D,
+                    FMT,
+                    CDT,
+                    ABLATE == 1,
+                    ASM,
+                    K.dtype.element_ty == tl.float8e5,
+                )
+                if ABLATE == 2:
+                    qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
+                elif USE_DOT:
+                    if IS_F32:
+                        qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+                    else:
+                        qk = tl.dot(q, tl.trans(k))
+                else:
+                    qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
+            qk = tl.where(tm[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not PREFETCH:
+                vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            if ABLATE == 3:
+                pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
+            else:
+                v = dequant(
+                    vx,
+                    vs,
+                    BLOCK_N,
+                    DV,
+                    FMT,
+                    CDT,
+                    ABLATE == 1,
+                    ASM,
+                    V.dtype.element_ty == tl.float8e5,
+                )
+                if ABLATE == 2:
+                    pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
+                elif USE_DOT:
+                    if IS_F32:
+                        pv = tl.dot(p, v, input_precision="tf32x3")
+                    else:
+                        pv = tl.dot(p.to(CDT), v)
+                else:
+                    pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+            if PREFETCH:
+                kx, ks, vx, vs = kxn, ksn, vxn, vsn
+                page_next = page_nn
 
     if FINAL:
         if HAS_SINKS:

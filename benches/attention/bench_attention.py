@@ -214,6 +214,7 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
         "use_dot": plan.use_dot,
         "prefetch": plan.prefetch,
         "asm": plan.asm,
+        "swap": plan.swap,
         "ablate": plan.ablate,
         "variant_kw": plan_kw,
     }

@@ -256,8 +256,12 @@ class DecodePlan:
     prefetch : bool
         Issue the next tile's loads before the current tile's math (register double buffer).
     asm : bool
-        FP4 only, opt-in: decode nibbles with inline PTX on 32-bit words (GPU); else plain
-        Triton ops (also what the CPU interpreter runs).
+        FP4 and fp8: decode 32-bit words of the cache with inline PTX (GPU; the CPU interpreter
+        runs a plain-Triton emulation); else plain Triton ops on the stored dtype.
+    swap : bool
+        Transposed dots (``S^T = K q^T``, ``O^T = V^T P^T``): the KV tile is the tensor-core
+        tile's M side and the query group its N side (padded to 8, not 16). Needs ``use_dot``,
+        no ``prefetch``.
     ablate : int
         Benchmarks only: leave one kernel stage out (0 = none; 1-3 see ``decode_kernel``; 4 = the
         split merge). Results are wrong when nonzero.
@@ -275,6 +279,7 @@ class DecodePlan:
     use_dot: bool
     prefetch: bool
     asm: bool
+    swap: bool
     ablate: int
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
@@ -294,6 +299,7 @@ def plan_decode(
     use_dot: bool | None = None,
     prefetch: bool | None = None,
     asm: bool | None = None,
+    swap: bool | None = None,
     ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
@@ -309,7 +315,7 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
@@ -339,6 +345,10 @@ def plan_decode(
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
+    if swap is None:
+        swap = False
+    if swap and (not use_dot or prefetch or ablate > 1):
+        raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(
@@ -356,6 +366,7 @@ def plan_decode(
         use_dot=use_dot,
         prefetch=bool(prefetch),
         asm=bool(asm) and _asm_ok(view.dtype),
+        swap=bool(swap),
         ablate=int(ablate),
         part_out=part_out,
         part_lse=part_lse,
@@ -556,7 +567,7 @@ def decode(
     cdt = _compute_dtype(view.dtype)
     kbs, vbs, ksc, vsc = _scale_args(view)
     s = plan.num_splits
-    gp = max(16, _pow2(g)) if plan.use_dot else _pow2(g)
+    gp = max(16, _pow2(g)) if plan.use_dot and not plan.swap else _pow2(g)
     dummy = out
     decode_kernel[(bsz, view.num_kv_heads, s)](
         q,
@@ -604,6 +615,7 @@ def decode(
         PREFETCH=plan.prefetch,
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm),
+        SWAP=plan.swap,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
