@@ -48,9 +48,11 @@ def test_smollm_decode_interpret(dtype, page):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page", [1, 16])
 def test_smollm_extend_interpret(dtype, page):
-    # prefixes 17 (mid-page), 0, 16, 0, 22 (mid-page); request 2 has no new tokens
-    cache = Cache(dtype, [21, 6, 16, 1, 27], heads=HK, d=D, page=page, heavy=dtype != "fp32")
-    out, ref = run_extend(cache, HQ, [4, 6, 0, 1, 5], backend="triton")
+    # prefixes 17 (mid-page), 0, 16, 0, 22 (mid-page), 145 (whole KV tiles before the first
+    # query: the unmasked loop); request 2 has no new tokens
+    lens = [21, 6, 16, 1, 27, 150]
+    cache = Cache(dtype, lens, heads=HK, d=D, page=page, heavy=dtype != "fp32")
+    out, ref = run_extend(cache, HQ, [4, 6, 0, 1, 5, 5], backend="triton")
     assert rel_err(out, ref) < TOL[dtype]
 
 
