@@ -93,7 +93,7 @@ def test_smollm_extend_gpu(dtype, page):
     lens = [300, 45, 80, 1, 2, 100]
     qlens = [17, 45, 16, 1, 1, 0]
     cache = Cache(dtype, lens, heads=HK, d=D, page=page, device="cuda", heavy=dtype != "fp32")
-    kws = [None, {"block_t": 4}]
+    kws = [None, {"block_t": 16, "block_n": 64, "num_warps": 4}]
     if dtype in WORDS:
         kws += [{"asm": dtype not in ("nvfp4", "fp4_mx_block16")}]  # the other FP4/fp8 path
     for kw in kws:

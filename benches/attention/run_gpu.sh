@@ -40,3 +40,6 @@ if [ -n "${READ_SECTIONS:-}" ]; then
     | grep -v "^  File\|^    " | tail -40
 fi
 echo "all done at +$(( $(date +%s) - T0 ))s"
+# the device tool returns few files: logs go back in one archive
+cd "$OUT" && tar czf logs.tgz --remove-files tests_*.log ids_*.txt test_ids.txt warm.log tests_out.txt \
+  2>/dev/null; ls "$OUT"
