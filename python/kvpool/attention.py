@@ -416,7 +416,8 @@ class ExtendPlan:
     block_t, block_n, num_warps, num_stages : int
         New tokens per program (times the padded group = rows), KV tile, launch options.
     asm : bool
-        FP4 only, opt-in: inline-PTX nibble decode (see :class:`DecodePlan`).
+        FP4 and fp8: word-level decode with inline PTX (see :class:`DecodePlan`); on by default
+        for FP4 caches, off for fp8 (slower in extend).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -468,7 +469,9 @@ def plan_extend(
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
-    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer).
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer). Tile options
+    left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
+    decode path of the dtype (word-level for FP4).
     """
     _check_view(view)
     g = _group(view, num_q_heads)
