@@ -53,7 +53,16 @@ def load_raw(
     """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
     ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
     scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
-    if FMT < 2:
+    if FMT == 1 and ASM:  # fp8 bytes as int32 words (rows are 4-byte aligned: D % 4 == 0)
+        d4 = tl.arange(0, D // 4)
+        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x = tl.load(
+            wp + slot[:, None] * (stride_row // 4) + head * (D // 4) + d4[None, :],
+            mask=mask[:, None],
+            other=0,
+        )
+        return x, mask
+    elif FMT < 2:
         d = tl.arange(0, D)
         x = tl.load(
             ptr + slot[:, None] * stride_row + head * D + d[None, :], mask=mask[:, None], other=0.0
@@ -181,6 +190,40 @@ def e2m1_words_f16(
 
 
 @triton.jit
+def fp8_words_f16(w, BN: tl.constexpr, D: tl.constexpr, E5M2: tl.constexpr, EMULATE: tl.constexpr):
+    """Word-level fp8 decode: words ``[BN, D/4]`` int32 (element ``4j + i`` in byte ``i`` of word
+    ``j``) -> ``[BN, D]`` fp16, exact. e4m3: ``cvt.rn.f16x2.e4m3x2`` on each half-word (inline
+    PTX; ``EMULATE``: per-byte conversion in plain Triton for the interpreter); e5m2: the byte is
+    the high byte of the fp16 (integer shifts). Converting in the load layout keeps Triton from
+    moving the conversion behind the dot's shared-memory operand load, where it reads fp8 V
+    tiles one byte at a time (seen in the PTX for sm_90: 128 ``ld.shared.b8`` per thread and
+    128-token tile)."""
+    if E5M2:
+        o0 = ((w << 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o1 = (w & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o2 = ((w >> 8) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+        o3 = ((w >> 16) & 0xFF00).to(tl.int16).to(tl.float16, bitcast=True)
+    elif EMULATE:
+        o0 = byte_e4m3_f16(w, 0)
+        o1 = byte_e4m3_f16(w, 8)
+        o2 = byte_e4m3_f16(w, 16)
+        o3 = byte_e4m3_f16(w, 24)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 l, h; .reg .b32 f0, f1; mov.b32 {l, h}, $4; "
+            "cvt.rn.f16x2.e4m3x2 f0, l; cvt.rn.f16x2.e4m3x2 f1, h; "
+            "mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; }",
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    # [..., p, q] holds element 4j + 2p + q (tl.join adds the new last axis)
+    return tl.join(tl.join(o0, o2), tl.join(o1, o3)).reshape(BN, D)
+
+
+@triton.jit
 def dequant(
     x,
     s,
@@ -190,6 +233,7 @@ def dequant(
     CDT: tl.constexpr,
     SKIP_SCALE: tl.constexpr = False,
     ASM: tl.constexpr = 0,
+    E5M2: tl.constexpr = False,
 ):
     """``load_raw`` output -> ``[BN, D]`` in CDT.
 
@@ -198,10 +242,13 @@ def dequant(
     FMT 3 (mx): ``e2m1 * 2^(e - 127)`` exact, for stored exponents up to 248 (larger ones,
     |x| > 6 * 2^121, are clamped). Block scales come as uint8 (nvfp4: e4m3 bits, reinterpreted
     here). ``SKIP_SCALE`` (benchmark ablation only) leaves the FP4 block scale out. ``ASM``
-    (FP4): ``x`` holds int32 words and the nibbles are decoded by ``e2m1_words_f16`` (1: inline
-    PTX on the GPU, 2: its plain-Triton emulation for the interpreter).
+    (FP4, fp8): ``x`` holds int32 words, decoded by ``e2m1_words_f16`` / ``fp8_words_f16`` (1:
+    inline PTX on the GPU, 2: its plain-Triton emulation for the interpreter); ``E5M2``: the fp8
+    words hold e5m2 bytes.
     """
-    if FMT < 2:
+    if FMT == 1 and ASM:
+        return fp8_words_f16(x, BN, D, E5M2, ASM == 2).to(CDT)
+    elif FMT < 2:
         return x.to(CDT)
     else:
         if ASM:
@@ -246,7 +293,7 @@ def load_kv_tile(
 ):
     """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
     x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)
-    return dequant(x, s, BN, D, FMT, CDT, False, ASM)
+    return dequant(x, s, BN, D, FMT, CDT, False, ASM, ptr.dtype.element_ty == tl.float8e5)
 
 
 @triton.jit
@@ -309,6 +356,7 @@ def decode_kernel(
     PREFETCH: tl.constexpr,
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -318,6 +366,8 @@ def decode_kernel(
     out to measure what it costs: 1 = FP4 block-scale multiply, 2 = the dots (tiles still
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
+    ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
+    as the MMA's M side.
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -359,72 +409,130 @@ def decode_kernel(
     acc = tl.zeros([GP, DV], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
 
-    if PREFETCH:
-        # software pipeline: raw K/V one tile ahead, page ids two tiles ahead, so no load
-        # waits on another load issued in the same iteration
-        t = start + tl.arange(0, BLOCK_N)
-        tm = t < end
-        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-        kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-        vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-        t1 = t + BLOCK_N
-        page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
-
-    for s in range(start, end, BLOCK_N):
-        t = s + tl.arange(0, BLOCK_N)
-        tm = t < end
-        if PREFETCH:
-            tn = t + BLOCK_N
-            tnm = tn < end
-            sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
-            kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-            vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-            tnn = tn + BLOCK_N
-            page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
-        else:
+    if SWAP:
+        # Transposed tiles: S^T = K q^T and O^T = V^T P^T, so the KV tile is the M side of the
+        # MMA and the query group its N side (padded to 8 by the hardware shape m16n8k16, not
+        # to 16 rows): half the tensor-core work of the padded-group form, and the softmax runs
+        # on [BLOCK_N, GP] instead of [16, BLOCK_N].
+        qt = tl.trans(q)  # [D, GP]
+        acc_t = tl.zeros([DV, GP], tl.float32)
+        for s in range(start, end, BLOCK_N):
+            t = s + tl.arange(0, BLOCK_N)
+            tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
             kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-        if ABLATE == 3:
-            qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
-        else:
-            k = dequant(kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM)
-            if ABLATE == 2:
-                qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
-            elif USE_DOT:
-                if IS_F32:
-                    qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
-                else:
-                    qk = tl.dot(q, tl.trans(k))
+            k = dequant(
+                kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM, K.dtype.element_ty == tl.float8e5
+            )
+            if IS_F32:
+                qk_t = tl.dot(k, qt, input_precision="tf32x3")
             else:
-                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
-        qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
-        qk = tl.where(tm[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not PREFETCH:
+                qk_t = tl.dot(k, qt)
+            qk_t = softmax_logits(qk_t, qk_scale, softcap, HAS_SOFTCAP)
+            qk_t = tl.where(tm[:, None], qk_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk_t, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(qk_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, 0)
             vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
-        if ABLATE == 3:
-            pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
-        else:
-            v = dequant(vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM)
-            if ABLATE == 2:
-                pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
-            elif USE_DOT:
-                if IS_F32:
-                    pv = tl.dot(p, v, input_precision="tf32x3")
-                else:
-                    pv = tl.dot(p.to(CDT), v)
+            v = dequant(
+                vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM, V.dtype.element_ty == tl.float8e5
+            )
+            if IS_F32:
+                pv_t = tl.dot(tl.trans(v), p_t, input_precision="tf32x3")
             else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+                pv_t = tl.dot(tl.trans(v), p_t.to(CDT))
+            acc_t = acc_t * alpha[None, :] + pv_t
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
         if PREFETCH:
-            kx, ks, vx, vs = kxn, ksn, vxn, vsn
-            page_next = page_nn
+            # software pipeline: raw K/V one tile ahead, page ids two tiles ahead, so no load
+            # waits on another load issued in the same iteration
+            t = start + tl.arange(0, BLOCK_N)
+            tm = t < end
+            page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            t1 = t + BLOCK_N
+            page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
+
+        for s in range(start, end, BLOCK_N):
+            t = s + tl.arange(0, BLOCK_N)
+            tm = t < end
+            if PREFETCH:
+                tn = t + BLOCK_N
+                tnm = tn < end
+                sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
+                kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+                vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+                tnn = tn + BLOCK_N
+                page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
+            else:
+                page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+                slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+                kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            if ABLATE == 3:
+                qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
+            else:
+                k = dequant(
+                    kx,
+                    ks,
+                    BLOCK_N,
+                    D,
+                    FMT,
+                    CDT,
+                    ABLATE == 1,
+                    ASM,
+                    K.dtype.element_ty == tl.float8e5,
+                )
+                if ABLATE == 2:
+                    qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(k.to(tl.float32), 1)[None, :]
+                elif USE_DOT:
+                    if IS_F32:
+                        qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+                    else:
+                        qk = tl.dot(q, tl.trans(k))
+                else:
+                    qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
+            qk = tl.where(tm[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if not PREFETCH:
+                vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            if ABLATE == 3:
+                pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
+            else:
+                v = dequant(
+                    vx,
+                    vs,
+                    BLOCK_N,
+                    DV,
+                    FMT,
+                    CDT,
+                    ABLATE == 1,
+                    ASM,
+                    V.dtype.element_ty == tl.float8e5,
+                )
+                if ABLATE == 2:
+                    pv = tl.zeros([GP, DV], tl.float32) + tl.sum(v.to(tl.float32), 0)[None, :]
+                elif USE_DOT:
+                    if IS_F32:
+                        pv = tl.dot(p, v, input_precision="tf32x3")
+                    else:
+                        pv = tl.dot(p.to(CDT), v)
+                else:
+                    pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+            if PREFETCH:
+                kx, ks, vx, vs = kxn, ksn, vxn, vsn
+                page_next = page_nn
 
     if FINAL:
         if HAS_SINKS:

@@ -117,34 +117,23 @@ def extend_kernel(
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
 
-    for s in range(lo, hi, BLOCK_N):
-        j = s + tl.arange(0, BLOCK_N)
-        jm = j < hi
-        page = tl.load(pt_row + (j >> page_shift), mask=jm, other=0)
-        slot = (page.to(tl.int64) << page_shift) + (j & ((1 << page_shift) - 1))
-        k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT, ASM)
-        if IS_F32:
-            qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
-        keep = jm[None, :] & (j[None, :] <= pos[:, None])
-        if HAS_WINDOW:
-            keep = keep & (j[None, :] > pos[:, None] - window)
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # rows with nothing visible yet keep m = -inf; exponentiate against 0 there (no NaN)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT, ASM)
-        if IS_F32:
-            pv = tl.dot(p, v, input_precision="tf32x3")
-        else:
-            pv = tl.dot(p.to(CDT), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    # Tiles that end at or before the block's first query position are visible to every row:
+    # no causal mask there (a sliding window masks every tile).
+    mid = lo
+    if not HAS_WINDOW:
+        mid = tl.minimum(((prefix + t0 + 1) // BLOCK_N) * BLOCK_N, hi)
+    for s in range(lo, mid, BLOCK_N):
+        m_i, l_i, acc = _tile(
+            q, m_i, l_i, acc, s, hi, pos, window, pt_row, page_shift, K, V, KBS, VBS, hk,
+            stride_kr, stride_vr, stride_kbr, stride_vbr, qk_scale, softcap, BLOCK_N, D, DV,
+            FMT, CDT, IS_F32, HAS_SOFTCAP, HAS_WINDOW, ASM, False,
+        )  # fmt: skip
+    for s in range(mid, hi, BLOCK_N):
+        m_i, l_i, acc = _tile(
+            q, m_i, l_i, acc, s, hi, pos, window, pt_row, page_shift, K, V, KBS, VBS, hk,
+            stride_kr, stride_vr, stride_kbr, stride_vbr, qk_scale, softcap, BLOCK_N, D, DV,
+            FMT, CDT, IS_F32, HAS_SOFTCAP, HAS_WINDOW, ASM, True,
+        )  # fmt: skip
 
     if HAS_SINKS:
         sink = tl.load(SINKS + heads, mask=g < G, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -158,3 +147,69 @@ def extend_kernel(
         o.to(OUT.dtype.element_ty),
         mask=rmask[:, None],
     )
+
+
+@triton.jit
+def _tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    s,
+    hi,
+    pos,
+    window,
+    pt_row,
+    page_shift,
+    K,
+    V,
+    KBS,
+    VBS,
+    hk,
+    stride_kr,
+    stride_vr,
+    stride_kbr,
+    stride_vbr,
+    qk_scale,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    ASM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One KV tile ``[s, s + BLOCK_N)`` of the online softmax. ``MASKED``: apply the causal
+    mask, the window and ``j < hi`` (else every row sees the whole tile)."""
+    j = s + tl.arange(0, BLOCK_N)
+    jm = j < hi
+    page = tl.load(pt_row + (j >> page_shift), mask=jm, other=0)
+    slot = (page.to(tl.int64) << page_shift) + (j & ((1 << page_shift) - 1))
+    k = load_kv_tile(K, KBS, slot, jm, hk, stride_kr, stride_kbr, BLOCK_N, D, FMT, CDT, ASM)
+    if IS_F32:
+        qk = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP)
+    if MASKED:
+        keep = jm[None, :] & (j[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            keep = keep & (j[None, :] > pos[:, None] - window)
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # rows with nothing visible yet keep m = -inf; exponentiate against 0 there (no NaN)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_kv_tile(V, VBS, slot, jm, hk, stride_vr, stride_vbr, BLOCK_N, DV, FMT, CDT, ASM)
+    if IS_F32:
+        pv = tl.dot(p, v, input_precision="tf32x3")
+    else:
+        pv = tl.dot(p.to(CDT), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
 BS, CTXS = (1, 16, 64, 128), (1024, 8192, 32768)
-CFG_KEYS = ("splits", "block_n", "warps", "stages", "use_dot", "prefetch", "asm")
+CFG_KEYS = ("splits", "block_n", "warps", "stages", "use_dot", "prefetch", "asm", "swap")
 EXT_KEYS = ("block_t", "block_n", "warps", "stages", "asm")
 
 
@@ -117,8 +117,9 @@ def main():
             "## Variants and ablations (page 16; x SDPA against the SDPA of the same run)",
             "",
             "`ablate`: 1 = no FP4 block-scale multiply, 2 = no dots (row sums instead), 3 = raw loads "  # noqa: E501
-            "only (no dequant, no dots; Triton then does not software-pipeline the loads). Results "
-            "with ablate != 0 are not attention outputs.",
+            "only (no dequant, no dots), 4 = no split merge (the split kernel alone). Results "
+            "with ablate != 0 are not attention outputs. `swap`: transposed dots (KV tile as the "
+            "MMA's M side); `asm`: word-level FP4/fp8 decode.",
             "",
             "| run | dtype | B | ctx | config | ablate | ms | KV TB/s | x SDPA |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -203,13 +203,25 @@ def _interpreting() -> bool:
 
 
 def _asm_ok(dtype: str) -> bool:
-    """Whether the word-level FP4 decode applies (FP4 caches).
+    """Whether the word-level decode exists for this cache dtype (FP4 and fp8 caches)."""
+    return dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
 
-    The default for FP4 decode (``asm=None``): on the H200 it took nvfp4 decode at B=64/8k from
-    0.721 ms to 0.489 ms, and the fixed version passed every decode GPU test (run 4,
-    benches/attention/results/run4_h200). Extend keeps it opt-in: its GPU tests have not run.
-    """
-    return dtype in ("nvfp4", "fp4_mx_block16")
+
+# Where the word-level decode is the default (``asm=None``), per kernel, as measured on the
+# H200 (benches/attention/results): FP4 decode went from 0.721 ms to 0.489 ms at B=64/8k (run 4).
+# Run 5: fp8 decode 0.426 -> 0.410 ms at B=64/8k; FP4 extend (4k prefix + 512 new, B=16) 3.71 ->
+# 2.11 ms with 128-token tiles; fp8 extend was slower with it (2.08 -> 2.13 ms).
+_ASM_DEFAULT = {
+    "decode": ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16"),
+    "extend": ("nvfp4", "fp4_mx_block16"),
+}
+# Decode with transposed dots by default (``swap``), run 5 at B=64/8k: bf16 0.525 -> 0.506 ms,
+# fp8 0.410 -> 0.402 ms; FP4 and fp32 were slower with it.
+_SWAP_DEFAULT = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+
+
+def _asm_default(dtype: str, kernel: str) -> bool:
+    return dtype in _ASM_DEFAULT[kernel]
 
 
 def _asm_mode(asm: bool) -> int:
@@ -220,14 +232,37 @@ def _asm_mode(asm: bool) -> int:
     return (2 if _interpreting() else 1) if asm else 0
 
 
-def default_splits(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """KV splits per request for :func:`decode`.
+def default_splits(
+    batch: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 128
+) -> int:
+    """KV splits per request for :func:`decode` (at least 256 tokens each, at most 128).
 
-    Enough programs for about 4 per multiprocessor, at least 256 tokens per split, at most 128.
+    ``batch * kv_heads * splits`` programs run about 3 at a time per multiprocessor (what the
+    default tiles' registers and shared memory allow), in waves; each split is rounded up to
+    whole ``block_n`` tiles and costs about half a tile more (pipeline fill, partial output).
+    The estimated time, waves x (tokens per split + block_n / 2), is minimized (fewest splits
+    on ties). With at most 16 programs before splitting (one or two requests) the kernel is
+    latency-bound and takes the most splits. Measured on the H200 (run 5, 8 KV heads): B=16 at
+    8k is fastest with 3 splits (one full wave; 2, 5 and 8 were slower), B=1 at 32k with 128
+    splits (66 and 32 were slower).
     """
-    programs = batch * kv_heads
-    want = -(-4 * _num_sms(torch.device(device)) // max(programs, 1))
-    return max(1, min(want, -(-max_seq_len // 256), 128))
+    programs = max(batch * kv_heads, 1)
+    n = max(int(max_seq_len), 1)
+    smax = max(1, min(128, n // 256))
+    if programs <= 16:
+        return smax
+    slots = 3 * _num_sms(torch.device(device))
+    best, best_cost = 1, None
+    for s in range(1, smax + 1):
+        chunk = _cdiv(_cdiv(n, s), block_n) * block_n  # tokens per split, whole tiles
+        cost = _cdiv(programs * _cdiv(n, chunk), slots) * (chunk + block_n // 2)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass
@@ -249,11 +284,15 @@ class DecodePlan:
     prefetch : bool
         Issue the next tile's loads before the current tile's math (register double buffer).
     asm : bool
-        FP4 only, opt-in: decode nibbles with inline PTX on 32-bit words (GPU); else plain
-        Triton ops (also what the CPU interpreter runs).
+        FP4 and fp8: decode 32-bit words of the cache with inline PTX (GPU; the CPU interpreter
+        runs a plain-Triton emulation); else plain Triton ops on the stored dtype.
+    swap : bool
+        Transposed dots (``S^T = K q^T``, ``O^T = V^T P^T``): the KV tile is the tensor-core
+        tile's M side and the query group its N side (padded to 8, not 16). Needs ``use_dot``,
+        no ``prefetch``.
     ablate : int
-        Benchmarks only: leave one kernel stage out (0 = none; see ``decode_kernel``). Results
-        are wrong when nonzero.
+        Benchmarks only: leave one kernel stage out (0 = none; 1-3 see ``decode_kernel``; 4 = the
+        split merge). Results are wrong when nonzero.
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     """
@@ -268,6 +307,7 @@ class DecodePlan:
     use_dot: bool
     prefetch: bool
     asm: bool
+    swap: bool
     ablate: int
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
@@ -287,6 +327,7 @@ def plan_decode(
     use_dot: bool | None = None,
     prefetch: bool | None = None,
     asm: bool | None = None,
+    swap: bool | None = None,
     ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
@@ -302,7 +343,7 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
@@ -317,21 +358,26 @@ def plan_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     if use_dot is None:
         use_dot = True
-    # Measured on the H200 (benches/attention): fp8 is fastest with 128-token tiles and 3
-    # stages; FP4 with the word-level decode (asm) and 128-token tiles (run 4).
+    # Measured on the H200 (benches/attention, run 5 at B=64/8k): fp8 is fastest with the word
+    # decode, transposed dots, 128-token tiles and 2 stages (0.40 ms vs 0.43 ms); FP4 with the
+    # word decode and 128-token tiles, untransposed; 16-bit caches with transposed dots.
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
-        asm = use_dot and _asm_ok(view.dtype)
+        asm = use_dot and _asm_default(view.dtype, "decode")
+    if swap is None:
+        swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
     if block_n is None:
         block_n = (128 if fp8 or asm else 64) if use_dot else 32
     if num_stages is None:
-        num_stages = 3 if fp8 else 2
+        num_stages = 2
     if num_splits is None:
-        num_splits = default_splits(b, view.num_kv_heads, ctx, dev)
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n)
     if num_splits < 1:
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
+    if swap and (not use_dot or prefetch or ablate > 1):
+        raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(
@@ -349,6 +395,7 @@ def plan_decode(
         use_dot=use_dot,
         prefetch=bool(prefetch),
         asm=bool(asm) and _asm_ok(view.dtype),
+        swap=bool(swap),
         ablate=int(ablate),
         part_out=part_out,
         part_lse=part_lse,
@@ -369,7 +416,8 @@ class ExtendPlan:
     block_t, block_n, num_warps, num_stages : int
         New tokens per program (times the padded group = rows), KV tile, launch options.
     asm : bool
-        FP4 only, opt-in: inline-PTX nibble decode (see :class:`DecodePlan`).
+        FP4 and fp8: word-level decode with inline PTX (see :class:`DecodePlan`); on by default
+        for FP4 caches, off for fp8 (slower in extend).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -384,19 +432,26 @@ class ExtendPlan:
 
 
 def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stages):
-    """Extend tile defaults, measured on the H200 (benches/attention).
+    """Extend tile defaults, measured on the H200 (benches/attention, run 5).
 
-    64 rows of (token, head) per program; 16-bit caches pipeline 3 stages, fp8 takes KV tiles
-    of 128.
+    4k prefix + 512 new tokens, B=16, 32 q / 8 KV heads. 16-bit caches: 128 rows of (token,
+    head) per program over 8 warps, 128-token KV tiles, 3 stages (bf16 1.85 -> 1.76 ms, fp16
+    2.05 -> 1.77 ms); fp8: 128 rows over 8 warps, 128-token tiles, 2 stages (2.08 -> 2.01 ms);
+    FP4 (with the word decode): 64 rows, 128-token tiles (3.71 -> 2.11 ms); fp32: 64 rows,
+    64-token tiles (larger ones do not fit in shared memory).
     """
     gp = _pow2(group)
+    wide = dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+    rows = 128 if wide else 64
     if block_t is None:
-        block_t = max(1, 64 // gp) if gp <= 64 else 1
+        block_t = max(1, rows // gp) if gp <= rows else 1
     if block_n is None:
-        block_n = 128 if dtype in ("fp8_e4m3", "fp8_e5m2") else 64
+        block_n = 64 if dtype == "fp32" else 128
     if num_stages is None:
         num_stages = 3 if dtype in ("bf16", "fp16") else 2
-    return block_t, block_n, (4 if num_warps is None else num_warps), num_stages
+    if num_warps is None:
+        num_warps = 8 if wide and block_t * gp >= 128 else 4
+    return block_t, block_n, num_warps, num_stages
 
 
 def plan_extend(
@@ -410,11 +465,13 @@ def plan_extend(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    asm: bool = False,
+    asm: bool | None = None,
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
-    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer).
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer). Tile options
+    left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
+    decode path of the dtype (word-level for FP4).
     """
     _check_view(view)
     g = _group(view, num_q_heads)
@@ -437,7 +494,7 @@ def plan_extend(
         block_n,
         num_warps,
         num_stages,
-        bool(asm) and _asm_ok(view.dtype),
+        _asm_default(view.dtype, "extend") if asm is None else bool(asm) and _asm_ok(view.dtype),
     )
 
 
@@ -549,7 +606,7 @@ def decode(
     cdt = _compute_dtype(view.dtype)
     kbs, vbs, ksc, vsc = _scale_args(view)
     s = plan.num_splits
-    gp = max(16, _pow2(g)) if plan.use_dot else _pow2(g)
+    gp = max(16, _pow2(g)) if plan.use_dot and not plan.swap else _pow2(g)
     dummy = out
     decode_kernel[(bsz, view.num_kv_heads, s)](
         q,
@@ -597,10 +654,11 @@ def decode(
         PREFETCH=plan.prefetch,
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm),
+        SWAP=plan.swap,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    if s > 1:
+    if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
         merge_kernel[(bsz, hq)](
             plan.part_out,
             plan.part_lse,
@@ -749,11 +807,13 @@ def extend(
 
     if plan is not None:
         block_t, block_n, nw, ns = plan.block_t, plan.block_n, plan.num_warps, plan.num_stages
+        asm = plan.asm
         work = plan.work
         grid0 = work.shape[0]
         blocks_per_req = 1
     else:
         block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
+        asm = _asm_default(view.dtype, "extend")
         work = None
         blocks_per_req = -(-t // block_t)
         grid0 = bsz * blocks_per_req
@@ -806,7 +866,7 @@ def extend(
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
         USE_WORK=work is not None,
-        ASM=_asm_mode(plan is not None and plan.asm),
+        ASM=_asm_mode(asm),
         num_warps=nw,
         num_stages=ns,
     )
