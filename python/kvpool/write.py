@@ -251,7 +251,12 @@ def _launch_write(
     v: torch.Tensor | None,
     block_t: int | None,
     num_warps: int,
+    ablate: int = 0,
 ) -> None:
+    """Launch the fused write.
+
+    ``ablate`` != 0 leaves stages out (benchmarks only, see ``quant_write._quant_fp4``).
+    """
     from kvpool.triton_kernels.quant_write import quant_write_kernel
 
     mode = MODES[layer.dtype]
@@ -321,6 +326,7 @@ def _launch_write(
         BLOCK_T=block_t,
         BLOCK_CK=bck,
         BLOCK_CV=bcv,
+        ABLATE=ablate,
         num_warps=num_warps,
     )
 
