@@ -386,10 +386,12 @@ def test_fp4_short_and_safe_paths(mode):
         pool = make_pool(dtype, dev, heads=2, head_dim=d, page_size=8, num_tokens=t + 8)
         set_scales(pool, scale, scale)
         for xin in (x, x * 2.0**-118 if scale < 1 else x):  # tiny blocks for tiny g
-            before = snapshot(pool)
-            write_kv(pool.layer(0), loc.to(dev), xin.to(dev), xin.flip(0).to(dev).contiguous(),
-                     backend="triton")  # fmt: skip
-            assert_buffers_equal(pool, expected_after(pool, before, 0, loc, xin, xin.flip(0)))
+            for bt in (1, 4):  # one token per program: each row takes its own path
+                before = snapshot(pool)
+                xv = xin.flip(0).contiguous()
+                write_kv(pool.layer(0), loc.to(dev), xin.to(dev), xv.to(dev), backend="triton",
+                         block_t=bt)  # fmt: skip
+                assert_buffers_equal(pool, expected_after(pool, before, 0, loc, xin, xv))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -144,40 +144,18 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _fp4_store(
-    lo,
-    hi,
-    amax,
-    slot,
-    row_ok,
-    m3,
-    pair,
-    data_ptr,
-    data_row_stride,
-    bs_ptr,
-    bs_row_stride,
-    pm_ptr,
-    scale_ptr,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    NB: tl.constexpr,
-    MODE: tl.constexpr,
-    WRITE_LINEAR: tl.constexpr,
-    WRITE_PM: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
-    SAFE: tl.constexpr,
-    ABLATE: tl.constexpr,
-):
-    """Quantize and store one FP4 tile; ``lo`` / ``hi`` [BLOCK_T, NB, 8] are the pairs' two
-    elements (fp32), ``amax`` [BLOCK_T, NB] their block amax (NaN-ignoring, >= 0).
+def _fp4_params(amax, scale_ptr, MODE: tl.constexpr, SAFE: tl.constexpr):
+    """Per-block parameters of an FP4 tile from its block amax [BLOCK_T, NB].
 
-    SAFE = False: the tile holds no NaN (the caller checked), so |x| and the sign bit of x are
-    used as they are. SAFE = True: NaN elements encode as +0 (|x| -> max(|x|, 0) maps NaN to 0;
-    the sign comes from min(x, FLT_MAX), which maps NaN to +FLT_MAX and keeps every other sign,
-    -0 included). Either way an inf's
-    quotient clamps to 6: the nvfp4 correction turns it into NaN and min(NaN, 6) = 6, as the
-    hardware min and the interpreter's fmin return the non-NaN operand."""
+    Returns (scale byte, sign mask, divisor, multiplier, bad): the element quotient is
+    x * multiplier (mx: the exact power of two) or x / divisor (nvfp4, with multiplier
+    RN(1 / divisor) for the Markstein correction); the sign mask is 0 for nvfp4 blocks whose
+    scale rounds to 0 (they store zeros). ``bad`` marks blocks the short path must not take:
+    a NaN amax (``amax`` is NaN-propagating there), and blocks where an element's quotient
+    could reach 7, so that it would need the clamp to 6 (mx: amax above MX_MAX, inf included,
+    or the one subnormal amax whose exponent rounds down; nvfp4: an e4m3 scale that is
+    subnormal (relative rounding error up to 1/2) or saturated). Elsewhere every quotient is
+    at most 6 (mx) or 6 / (1 - 2^-4) < 7 (nvfp4), and the E2M1 rounding of (6, 7) is 6."""
     if MODE == 3:  # +-inf counts as +-FLT_MAX: the block scale saturates at 448
         amax = tl.minimum(amax, 3.4028234663852886e38)
         g = tl.load(scale_ptr)
@@ -195,17 +173,17 @@ def _fp4_store(
         # (amax / 6) / g, correctly rounded: an overflowing quotient is NaN after the
         # correction, and min(NaN, 448) = 448
         q0 = a6 * rgb
-        s = tl.minimum(tl.fma(tl.fma(-q0, gb, a6), rgb, q0), 448.0)
-        s_code, s_dec = _e4m3_rne(s)
+        s_raw = tl.fma(tl.fma(-q0, gb, a6), rgb, q0)
+        s_code, s_dec = _e4m3_rne(tl.minimum(s_raw, 448.0))
         zero_blk = s_dec == 0.0
         denom = tl.where(zero_blk, 1.0, s_dec * gb)
         r = tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), denom)
         r = tl.where(zero_blk, 0.0, r)  # zero block: every quotient is 0 ...
         smask = tl.where(zero_blk, 0, 0x80000000).to(tl.uint32)  # ... and no sign is stored
-        den3 = denom[:, :, None]
-        r3 = r[:, :, None]
-        sbyte = s_code
+        bad = ~zero_blk & ((s_dec < 0.015625) | ~(s_raw <= 448.0))
+        return s_code, smask, denom, r, bad | (amax != amax)
     else:  # mx: inputs clamp to +-MX_MAX = 6 * 2^125 (so does the amax)
+        bad = ~(amax <= 2.5521177519070385e38)  # NaN or above MX_MAX
         amax = tl.minimum(amax, 2.5521177519070385e38)
         # stored = ceil(log2(RN(amax / 6))) + 127 from amax's bits: the smallest k with
         # amax <= 6 * 2^k is E - 2 if the mantissa is <= 1.5 else E - 1 (RN cannot cross a power
@@ -213,14 +191,55 @@ def _fp4_store(
         # is normal; below, only amax = 3 * 2^-126 + 2^-148 (bits 0x01400001) differs: its
         # quotient rounds down to 2^-127 (stored 0, not 1). Clamped to [0, 254]; 127 for 0.
         ab = amax.to(tl.int32, bitcast=True)
-        stored = ((ab + 0x3FFFFF) >> 23) - 2 - (ab == 0x01400001).to(tl.int32)
+        edge = ab == 0x01400001
+        stored = ((ab + 0x3FFFFF) >> 23) - 2 - edge.to(tl.int32)
         stored = tl.minimum(tl.maximum(stored, 0), 254)
         stored = tl.where(amax == 0.0, 127, stored)
         # 2^(127 - stored): stored <= 252 after the MX_MAX clamp, so the factor is normal
-        inv3 = (((254 - stored) << 23).to(tl.float32, bitcast=True))[:, :, None]
+        inv = ((254 - stored) << 23).to(tl.float32, bitcast=True)
         smask = tl.full(amax.shape, 0x80000000, tl.uint32)
-        sbyte = stored
+        return stored, smask, inv, inv, bad | edge
+
+
+@triton.jit
+def _fp4_store(
+    lo,
+    hi,
+    sbyte,
+    smask,
+    den,
+    r,
+    slot,
+    row_ok,
+    m3,
+    pair,
+    data_ptr,
+    data_row_stride,
+    bs_ptr,
+    bs_row_stride,
+    pm_ptr,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    NB: tl.constexpr,
+    MODE: tl.constexpr,
+    WRITE_LINEAR: tl.constexpr,
+    WRITE_PM: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    SAFE: tl.constexpr,
+    ABLATE: tl.constexpr,
+):
+    """Encode and store one FP4 tile; ``lo`` / ``hi`` [BLOCK_T, NB, 8] are the pairs' two
+    elements (fp32), the per-block parameters come from ``_fp4_params``.
+
+    SAFE = False (no block is ``bad``): |x| and the sign bit of x are used as they are and the
+    quotient needs no clamp. SAFE = True: NaN elements encode as +0 (max(|x|, 0) maps NaN to 0;
+    the sign comes from min(x, FLT_MAX), which maps NaN to +FLT_MAX and keeps every other sign,
+    -0 included), and quotients clamp to 6; an inf's nvfp4 quotient is NaN after the correction
+    and min(NaN, 6) = 6 (the hardware min and the interpreter's fmin return the non-NaN
+    operand)."""
     sm3 = smask[:, :, None]
+    r3 = r[:, :, None]
     if ABLATE == 2:
         byte = (lo + hi).to(tl.int32, bitcast=True) ^ sm3.to(tl.int32, bitcast=True)
     else:
@@ -235,15 +254,19 @@ def _fp4_store(
             s_lo = lo.to(tl.uint32, bitcast=True) & sm3
             s_hi = hi.to(tl.uint32, bitcast=True) & sm3
         if MODE == 3:
+            den3 = den[:, :, None]
             q_lo = a_lo * r3
             q_hi = a_hi * r3
             q_lo = tl.fma(tl.fma(-q_lo, den3, a_lo), r3, q_lo)
             q_hi = tl.fma(tl.fma(-q_hi, den3, a_hi), r3, q_hi)
         else:
-            q_lo = a_lo * inv3
-            q_hi = a_hi * inv3
-        n_lo = _e2m1_top(tl.minimum(q_lo, 6.0), s_lo)
-        n_hi = _e2m1_top(tl.minimum(q_hi, 6.0), s_hi)
+            q_lo = a_lo * r3
+            q_hi = a_hi * r3
+        if SAFE:
+            q_lo = tl.minimum(q_lo, 6.0)
+            q_hi = tl.minimum(q_hi, 6.0)
+        n_lo = _e2m1_top(q_lo, s_lo)
+        n_hi = _e2m1_top(q_hi, s_hi)
         byte = (n_lo >> 28) + (n_hi >> 24)  # nibble(2i) | nibble(2i + 1) << 4
     dst = slot[:, None, None] * data_row_stride + pair[None, :, :]
     tl.store(data_ptr + dst, byte.to(tl.uint8), mask=m3)
@@ -294,11 +317,12 @@ def _quant_fp4(
     """FP4 tile as [BLOCK_T, NB blocks, 8 pairs]: each pair (elements 2i, 2i+1) is one loaded
     word and gives one stored byte; a thread holds whole blocks (the amax needs no shuffles).
 
-    The block amax is taken NaN-propagating, so one check per program tells whether the tile
-    holds a NaN; the common NaN-free tile takes the short path (``_fp4_store``, SAFE = False).
-    ABLATE (benchmarks only): 1 skips the block-scale stores, 2 also replaces the element
-    encoding by a trivial combination of the inputs, 3 takes the short path without checking
-    (wrong for NaN inputs)."""
+    The block amax is taken NaN-propagating and the per-block parameters flag the blocks the
+    short path cannot take (``_fp4_params``); one count per program decides: the common tile
+    (no flagged block; nvfp4 also g >= 2^-100) takes the short path, any other the exact
+    sanitizing one (``_fp4_store``, SAFE). ABLATE (benchmarks only): 1 skips the block-scale
+    stores, 2 also replaces the element encoding by a trivial combination of the inputs, 3
+    takes the short path without the check (wrong for NaN and the flagged blocks)."""
     NB: tl.constexpr = BLOCK_C // 16
     DB: tl.constexpr = D // 16
     b = tl.arange(0, NB)
@@ -316,21 +340,22 @@ def _quant_fp4(
     w = tl.load(w_ptr + off, mask=m3, other=0)
     lo, hi = _unpack_pair(w, IN_KIND)
     amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)  # [BLOCK_T, NB]
-    n_nan = tl.sum(tl.sum((amax != amax).to(tl.int32), axis=1), axis=0)
-    fast = (n_nan == 0) | (ABLATE == 3)
+    sbyte, smask, den, r, bad = _fp4_params(amax, scale_ptr, MODE, False)
+    fast = (tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) == 0) | (ABLATE == 3)
     if MODE == 3:  # the short path divides amax by 6 without div_rn: exact for g >= 2^-100
         fast = fast & (tl.load(scale_ptr) >= 7.888609052210118e-31)
     if fast:
         _fp4_store(
-            lo, hi, amax, slot, row_ok, m3, pair, data_ptr, data_row_stride, bs_ptr,
-            bs_row_stride, pm_ptr, scale_ptr, H, D, PAGE, NB, MODE, WRITE_LINEAR, WRITE_PM,
+            lo, hi, sbyte, smask, den, r, slot, row_ok, m3, pair, data_ptr, data_row_stride,
+            bs_ptr, bs_row_stride, pm_ptr, H, D, PAGE, NB, MODE, WRITE_LINEAR, WRITE_PM,
             INTERLEAVE, False, ABLATE,
         )  # fmt: skip
     else:
         amax = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), 0.0)
+        sbyte, smask, den, r, bad = _fp4_params(amax, scale_ptr, MODE, True)
         _fp4_store(
-            lo, hi, amax, slot, row_ok, m3, pair, data_ptr, data_row_stride, bs_ptr,
-            bs_row_stride, pm_ptr, scale_ptr, H, D, PAGE, NB, MODE, WRITE_LINEAR, WRITE_PM,
+            lo, hi, sbyte, smask, den, r, slot, row_ok, m3, pair, data_ptr, data_row_stride,
+            bs_ptr, bs_row_stride, pm_ptr, H, D, PAGE, NB, MODE, WRITE_LINEAR, WRITE_PM,
             INTERLEAVE, True, ABLATE,
         )  # fmt: skip
 

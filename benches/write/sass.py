@@ -115,7 +115,7 @@ def summarize(sass: str) -> dict:
             if m.group(1) == "EXIT" and not line.strip().split(None, 1)[1].startswith("@"):
                 exits.append(n)
     mem = {k: v for k, v in ops.items() if k.startswith(("LDG", "STG", "LDS", "STS", "BAR"))}
-    segs = [b - a for a, b in zip([0] + exits, exits, strict=True)]
+    segs = [b - a for a, b in zip([0] + exits[:-1], exits, strict=True)]
     return {"total": n, "segments": segs, "mem": mem, "ops": ops}
 
 
