@@ -230,7 +230,10 @@ def main() -> int:
                 }
             )
         pool = view = src = dst = None
-        torch.cuda.empty_cache()
+        with open(f"{a.out}/results.json", "w") as f:  # so far (a killed run keeps its cases)
+            json.dump(res, f, indent=1)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         print(
             f"{dtype:15s} {recipe:7s} default {row['default_us']:7.1f} us "
             f"{row['default_gbps']:6.0f} GB/s "
