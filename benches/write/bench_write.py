@@ -97,6 +97,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes")
     ap.add_argument("--only", help="comma-separated dtypes (default: all cases)")
+    ap.add_argument("--quick", action="store_true", help="FP4 sweep of 3 tiles only")
     a = ap.parse_args()
     dev = "cpu" if a.dry_run else "cuda"
     if a.dry_run:
@@ -161,6 +162,8 @@ def main() -> int:
         copy_gbps = 2 * src.numel() / copy_s / 1e9
         best = None
         sweep = SWEEP[dtype] if recipe == "linear" else SWEEP_FP4[:4]
+        if a.quick and dtype in ("nvfp4", "fp4_mx_block16"):
+            sweep = ((1, 1), (2, 2), (4, 4))
         for bt, nw in sweep:
             fn = partial(write_kv, view, loc, k, v, backend="triton", block_t=bt, num_warps=nw)
             fn()

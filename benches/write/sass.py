@@ -23,7 +23,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 
-def compile_write(mode: int, block_t: int, warps: int, pm: bool, extra: dict | None = None):
+def compile_write(
+    mode: int, block_t: int, warps: int, pm: bool, extra: dict | None = None, maxnreg=None
+):
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "triton_kernels", "quant_write.py")
@@ -90,7 +92,11 @@ def compile_write(mode: int, block_t: int, warps: int, pm: bool, extra: dict | N
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, cexp, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})},
+    )
 
 
 def sass_of(k) -> tuple[str, str]:
@@ -126,10 +132,11 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--pm", action="store_true")
     ap.add_argument("--ablate", type=int, default=0)
+    ap.add_argument("--maxnreg", type=int)
     ap.add_argument("--dump")
     ap.add_argument("--ptx")
     a = ap.parse_args()
-    k = compile_write(a.mode, a.block_t, a.warps, a.pm, {"ABLATE": a.ablate})
+    k = compile_write(a.mode, a.block_t, a.warps, a.pm, {"ABLATE": a.ablate}, a.maxnreg)
     sass, res = sass_of(k)
     if a.dump:
         open(a.dump, "w").write(sass)
