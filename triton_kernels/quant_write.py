@@ -3,11 +3,16 @@
 ``@triton.jit`` code only; the launcher, its checks and the layout documentation live in
 ``kvpool.write``. The numerics follow ``kvpool.formats`` (the reference) bit for bit:
 
-- fp8 and the e4m3 block scales of nvfp4 are encoded with integer arithmetic on the fp32 bits
-  (round to nearest even, saturating), never with a float -> fp8 cast, whose overflow and
-  rounding differ between Triton versions, the CPU interpreter and the hardware;
+- fp8, E2M1 and the e4m3 block scales of nvfp4 are encoded with integer and exact fp32
+  arithmetic (round to nearest even, saturating: fp8 by rounding the fp32 bits, E2M1 and e4m3
+  by one fp32 addition of a power of two whose ulp is the target's quantum), never with a
+  float -> fp8 cast, whose overflow and rounding differ between Triton versions, the CPU
+  interpreter and the hardware;
 - divisions give the IEEE round-to-nearest quotient, as torch divides: one ``tl.math.div_rn`` per
   scale for its reciprocal, then a multiply and one FMA correction per element (``_div``);
+- FP4 tiles without NaN or out-of-range blocks take a short path (``_quant_fp4``); min / max are
+  the NaN-ignoring ones (hardware min.f32 / max.f32, the interpreter's fmin / fmax), which the
+  NaN and inf rules rely on;
 - bytes are stored through uint8 views, so no fp8 dtype appears in a kernel signature (portable
   across Triton 3.6 .. 3.9).
 
