@@ -338,6 +338,62 @@ def test_nonfinite_rules(mode):
         assert u8(ref)[0, : len(data_exp)].tolist() == data_exp
 
 
+def _bits_f32(ints):
+    return torch.tensor(ints, dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("mode", KERNEL_MODES)
+def test_fp4_short_and_safe_paths(mode):
+    """The FP4 kernel takes a short path for tiles without NaN (nvfp4: also g >= 2^-100) and an
+    exact sanitizing path otherwise; both must equal the reference bit for bit.
+
+    Covers: +-inf without NaN (short path: the quotient of an inf clamps to 6), -NaN (safe
+    path: +0, no sign), the mx exponent byte around the subnormal boundary of amax / 6 (amax
+    bits 0x01400001 rounds to 2^-127 -> byte 0, its neighbours), e4m3 block scales at every
+    value, tie and one ulp off, and nvfp4 with a global scale below 2^-100 (safe path) and at
+    it (short path)."""
+    dev = device_for(mode)
+    d = 32  # two blocks per head
+    inf, nan = float("inf"), float("nan")
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (e4m3[:-1] + e4m3[1:]) / 2
+    mx_edges = [0x01400001, 0x01400000, 0x01400002, 0x01C00000, 0x01BFFFFF, 0x00800000,
+                0x007FFFFF, 0x01000001, 0x013FFFFF, 0x01400003]  # fmt: skip
+    amaxes = torch.cat(
+        [
+            _bits_f32(mx_edges),
+            torch.cat([e4m3, mids, torch.nextafter(mids, torch.tensor(inf))]) * 6,
+        ]
+    )
+    rows = [
+        torch.tensor([inf, -inf, 1.0, -0.5] + [0.25] * 12 + [-inf] + [3.0] * 15),
+        torch.tensor([-nan, 1.0, -2.0, -0.0] + [0.75] * 12 + [nan] * 16),
+    ]
+    g = torch.Generator().manual_seed(5)
+    for a in amaxes.split(2):  # blocks with these amaxes (and a spread of smaller elements)
+        blk = torch.rand(len(a), 16, generator=g) * 2 - 1
+        blk = blk * (a[:, None] / blk.abs().amax(dim=1, keepdim=True))
+        blk[:, 0] = a
+        rows.append(blk.reshape(-1))
+    x = torch.stack([torch.cat([r, torch.zeros(d - len(r))]) if len(r) < d else r[:d]
+                     for r in rows])[:, None, :]  # fmt: skip
+    x = x[:8] if mode == "interpret" else x
+    x = torch.cat([x, -x.flip(0)], dim=1)  # [T, H=2, D]
+    t = x.shape[0]
+    loc = torch.arange(t) + 8
+    cases = [("fp4_mx_block16", 1.0), ("nvfp4", 1.0), ("nvfp4", 2.0**-100), ("nvfp4", 2.0**-110)]
+    for dtype, scale in cases:
+        pool = make_pool(dtype, dev, heads=2, head_dim=d, page_size=8, num_tokens=t + 8)
+        set_scales(pool, scale, scale)
+        for xin in (x, x * 2.0**-118 if scale < 1 else x):  # tiny blocks for tiny g
+            for bt in (1, 4):  # one token per program: each row takes its own path
+                before = snapshot(pool)
+                xv = xin.flip(0).contiguous()
+                write_kv(pool.layer(0), loc.to(dev), xin.to(dev), xv.to(dev), backend="triton",
+                         block_t=bt)  # fmt: skip
+                assert_buffers_equal(pool, expected_after(pool, before, 0, loc, xin, xv))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_out_of_range_and_checks(mode):
     """Kernel path: out-of-range slots are skipped; torch path and debug raise, naming `loc`."""

@@ -10,9 +10,11 @@ Llama-3.1-8B geometry (8 KV heads, head_dim 128), T = 16,384 new tokens written 
 - copy bandwidth = ``dst.copy_(src)`` timed the same way, for a copy of the same bytes as the
   write moves (read + write counted) and for a 1 GiB copy.
 
-Also: a sweep of tokens per program / warps, and the round-trip error per format on heavy-tailed
+Also: a sweep of tokens per program / warps, the round-trip error per format on heavy-tailed
 K/V (per-vector relative L2 error ``|x^ - x| / |x|`` over each token-head vector: mean and max),
-read back with the dequantize kernel.
+read back with the dequantize kernel, and for the FP4 formats ablations at the best tile (the
+kernel's ABLATE constexpr: 1 no block-scale stores, 2 also no element encoding, 3 the short
+path without its NaN / range check), which show what each stage costs.
 
 Usage: python benches/write/bench_write.py --out DIR  (writes results.json and results.md)
 """
@@ -29,7 +31,7 @@ from functools import partial
 import kvpool
 import torch
 from kvpool.config import ModelSpec
-from kvpool.write import dequantize_kv, write_kv
+from kvpool.write import _launch_write, dequantize_kv, write_kv
 
 CFG = {
     "num_hidden_layers": 1,
@@ -39,6 +41,16 @@ CFG = {
     "hidden_size": 4096,
     "vocab_size": 128256,
 }
+# (block_t, num_warps) tried per case; None = the launcher's default
+SWEEP_FP4 = ((1, 1), (2, 1), (2, 2), (4, 4), (4, 8), (8, 8))
+SWEEP = {
+    "bf16": ((8, 4), (16, 8)),
+    "fp8_e4m3": ((2, 2), (8, 4)),
+    "fp8_e5m2": ((2, 2), (8, 4)),
+    "nvfp4": SWEEP_FP4,
+    "fp4_mx_block16": SWEEP_FP4,
+}
+ABLATIONS = {1: "no block-scale stores", 2: "no scale stores, no encoding", 3: "no path check"}
 CASES = [
     ("bf16", "linear"),
     ("fp8_e4m3", "linear"),
@@ -84,10 +96,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny sizes")
+    ap.add_argument("--only", help="comma-separated dtypes (default: all cases)")
+    ap.add_argument("--quick", action="store_true", help="FP4 sweep of 3 tiles only")
     a = ap.parse_args()
     dev = "cpu" if a.dry_run else "cuda"
     if a.dry_run:
-        a.tokens, a.iters = 128, 1
+        a.tokens, a.iters = 64, 1
     t_tok = a.tokens
     gen = torch.Generator().manual_seed(0)
     spec = ModelSpec.from_dict(CFG, name="llama-3.1-8b-1layer")
@@ -110,6 +124,7 @@ def main() -> int:
         "page_size": page,
         "cases": [],
         "sweep": [],
+        "ablations": [],
         "roundtrip": [],
     }
     big = torch.empty((1 << 30) if dev == "cuda" else 1 << 20, dtype=torch.uint8, device=dev)
@@ -117,7 +132,8 @@ def main() -> int:
     res["copy_1gib_gbps"] = 2 * big.numel() / timed(partial(big2.copy_, big), flush, 20) / 1e9
     big = big2 = None  # free before the cases
 
-    for dtype, recipe in CASES:
+    cases = [c for c in CASES if a.only is None or c[0] in a.only.split(",")]
+    for dtype, recipe in cases:
         plan = kvpool.size_for(
             spec, dtype, num_tokens=2 * t_tok, page_size=page, nvfp4_recipe=recipe
         )
@@ -142,10 +158,13 @@ def main() -> int:
         moved = in_bytes + out_bytes
         src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        copy_s = timed(partial(dst.copy_, src), flush, a.iters)
+        copy_s = timed(partial(dst.copy_, src), flush, 2 * a.iters)
         copy_gbps = 2 * src.numel() / copy_s / 1e9
         best = None
-        for bt, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (8, 4), (8, 8), (16, 8)):
+        sweep = SWEEP[dtype] if recipe == "linear" else SWEEP_FP4[:4]
+        if a.quick and dtype in ("nvfp4", "fp4_mx_block16"):
+            sweep = ((1, 1), (2, 2), (4, 4))
+        for bt, nw in sweep:
             fn = partial(write_kv, view, loc, k, v, backend="triton", block_t=bt, num_warps=nw)
             fn()
             s = timed(fn, flush, a.iters)
@@ -165,6 +184,22 @@ def main() -> int:
         fn = partial(write_kv, view, loc, k, v, backend="triton")  # the default launch
         fn()
         s_def = timed(fn, flush, a.iters)
+        if dtype in ("nvfp4", "fp4_mx_block16") and recipe == "linear":
+            for abl, what in ABLATIONS.items():
+                fa = partial(_launch_write, view, loc, k, v, best[1], best[2], abl)
+                fa()
+                sa = timed(fa, flush, a.iters)
+                res["ablations"].append(
+                    {
+                        "dtype": dtype,
+                        "ablate": abl,
+                        "what": what,
+                        "block_t": best[1],
+                        "num_warps": best[2],
+                        "us": sa * 1e6,
+                        "full_us": best[0] * 1e6,
+                    }
+                )
         row = {
             "dtype": dtype,
             "recipe": recipe,
@@ -198,7 +233,10 @@ def main() -> int:
                 }
             )
         pool = view = src = dst = None
-        torch.cuda.empty_cache()
+        with open(f"{a.out}/results.json", "w") as f:  # so far (a killed run keeps its cases)
+            json.dump(res, f, indent=1)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         print(
             f"{dtype:15s} {recipe:7s} default {row['default_us']:7.1f} us "
             f"{row['default_gbps']:6.0f} GB/s "
@@ -208,6 +246,9 @@ def main() -> int:
             flush=True,
         )
 
+    res["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(f"{a.out}/results.json", "w") as f:  # before the tables: a table bug loses nothing
+        json.dump(res, f, indent=1)
     lines = [
         f"# Quantized KV write on {res['device']} (torch {res['torch']}, triton {res['triton']})",
         "",
@@ -226,6 +267,35 @@ def main() -> int:
         )
     lines += [
         "",
+        "Sweep (us per call):",
+        "",
+        "| dtype | recipe | " + " | ".join(f"{bt}, {nw}" for bt, nw in SWEEP_FP4) + " |",
+        "|---|---|" + "---|" * len(SWEEP_FP4),
+    ]
+    for dtype, recipe in cases:
+        if dtype not in ("nvfp4", "fp4_mx_block16"):
+            continue
+        us = {
+            (r["block_t"], r["num_warps"]): r["us"]
+            for r in res["sweep"]
+            if r["dtype"] == dtype and r["recipe"] == recipe
+        }
+        cells = [f"{us[c]:.1f}" if c in us else "" for c in SWEEP_FP4]
+        lines.append(f"| {dtype} | {recipe} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Ablations (FP4, at the best tile; the bytes counted stay those of the full write):",
+        "",
+        "| dtype | left out | block_t, warps | us | full write us |",
+        "|---|---|---|---|---|",
+    ]
+    for r in res["ablations"]:
+        lines.append(
+            f"| {r['dtype']} | {r['what']} | {r['block_t']}, {r['num_warps']} | "
+            f"{r['us']:.1f} | {r['full_us']:.1f} |"
+        )
+    lines += [
+        "",
         "Round trip (per token-head vector, relative L2 error):",
         "",
         "| dtype | recipe | tensor | mean | max |",
@@ -236,9 +306,6 @@ def main() -> int:
             f"| {r['dtype']} | {r['recipe']} | {r['tensor']} | {r['mean_rel_l2']:.4f} "
             f"| {r['max_rel_l2']:.4f} |"
         )
-    res["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(f"{a.out}/results.json", "w") as f:
-        json.dump(res, f, indent=1)
     with open(f"{a.out}/results.md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -201,7 +201,7 @@ def write_kv(
     debug: bool = False,
     backend: str = "auto",
     block_t: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> None:
     """Quantize ``k``/``v`` into one layer's buffers at slots ``loc``.
 
@@ -220,9 +220,11 @@ def write_kv(
     backend : {"auto", "triton", "torch"}
         ``auto``: Triton for CUDA tensors, torch (always checked) otherwise. ``triton`` also runs
         CPU tensors under ``TRITON_INTERPRET=1``.
-    block_t, num_warps : int
-        Triton tuning: tokens per program (a power of two; None picks one from the head size)
-        and warps per program.
+    block_t, num_warps : int or None
+        Triton tuning: tokens per program (a power of two) and warps per program; None picks
+        them from the head size (FP4: one warp per 1,024 values of a token, so a Llama-3.1-8B
+        token tensor is one single-warp program; other dtypes: 4,096 values and 4 warps per
+        program).
 
     Raises
     ------
@@ -250,8 +252,13 @@ def _launch_write(
     k: torch.Tensor,
     v: torch.Tensor | None,
     block_t: int | None,
-    num_warps: int,
+    num_warps: int | None,
+    ablate: int = 0,
 ) -> None:
+    """Launch the fused write.
+
+    ``ablate`` != 0 leaves stages out (benchmarks only, see ``quant_write._quant_fp4``).
+    """
     from kvpool.triton_kernels.quant_write import quant_write_kernel
 
     mode = MODES[layer.dtype]
@@ -295,8 +302,11 @@ def _launch_write(
     else:
         va, dv, kinds = args("v", v, layer.v_head_dim), layer.v_head_dim, 2
     bck, bcv = _pow2(h * layer.head_dim), _pow2(h * dv)
+    tile = max(bck, bcv)
+    if num_warps is None:
+        num_warps = min(8, max(1, tile // 1024)) if fp4 else 4
     if block_t is None:
-        block_t = max(1, min(64, 4096 // max(bck, bcv)))
+        block_t = max(1, min(64, (1024 * num_warps if fp4 else 4096) // tile))
     if block_t & (block_t - 1):
         raise ValueError(f"`block_t` = {block_t} must be a power of two")
     lin = layer.k_block_scale is not None
@@ -321,6 +331,7 @@ def _launch_write(
         BLOCK_T=block_t,
         BLOCK_CK=bck,
         BLOCK_CV=bcv,
+        ABLATE=ablate,
         num_warps=num_warps,
     )
 
