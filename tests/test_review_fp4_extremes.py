@@ -7,6 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvpool.write import write_kv  # noqa: E402
 from test_write import (  # noqa: E402
     KERNEL_MODES,
     assert_buffers_equal,
@@ -16,8 +17,6 @@ from test_write import (  # noqa: E402
     set_scales,
     snapshot,
 )
-
-from kvpool.write import write_kv  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
