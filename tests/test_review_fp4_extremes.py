@@ -31,6 +31,8 @@ def _rows():
             [0.0] * 16 + [1e-44] * 16,  # zero block and a tiny one
             [3e-30] * 16 + [1.0] * 16,
             [5.0e37, 1.0e37, -2.5e37, 4.0e37] * 8,
+            # subnormal inputs: for g < 2^-117 the divisor s * g is subnormal, 1 / it overflows
+            [1.6e-40, 4e-41, -8e-41, 1.2e-40] * 4 + [1e-41, -3e-42, 2e-42, 5e-42] * 4,
         ]
     )[:, None, :]
 
@@ -43,6 +45,7 @@ def _rows():
         3.0e38,  # 1 / g is subnormal
         1.0e-40,  # subnormal g: 1 / g overflows to inf
         2.0**-126,
+        2.0**-120,
     ],
 )
 def test_nvfp4_extreme_global_scale(mode, g):

@@ -281,7 +281,13 @@ def _fp4_store(
             a_hi = tl.abs(hi)
             s_lo = lo.to(tl.uint32, bitcast=True) & sm3
             s_hi = hi.to(tl.uint32, bitcast=True) & sm3
-        if MODE == 3:
+        if MODE == 3 and SAFE:
+            # div_rn: the divisor s * g may be subnormal (g < 2^-117), its reciprocal inf;
+            # r = 0 marks zero blocks (quotient 0)
+            den3 = tl.broadcast_to(den[:, :, None], a_lo.shape)
+            q_lo = tl.where(r3 == 0.0, 0.0, tl.math.div_rn(a_lo, den3))
+            q_hi = tl.where(r3 == 0.0, 0.0, tl.math.div_rn(a_hi, den3))
+        elif MODE == 3:
             den3 = den[:, :, None]
             q_lo = a_lo * r3
             q_hi = a_hi * r3
