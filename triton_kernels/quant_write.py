@@ -172,7 +172,7 @@ def _fp4_params(amax, scale_ptr, MODE: tl.constexpr, SAFE: tl.constexpr):
             a6 = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
         else:
             # amax / 6 by multiply + FMA correction: correctly rounded unless the quotient is
-            # subnormal, which the caller excludes (g >= 2^-100: s = RN(a6 / g) then stays far
+            # subnormal, which the caller excludes (g >= 2^-90: s = RN(a6 / g) then stays far
             # below e4m3's smallest step, whatever a6's last bits)
             q6 = amax * 0.16666667163372040
             a6 = tl.fma(tl.fma(-q6, 6.0, amax), 0.16666667163372040, q6)
@@ -337,7 +337,7 @@ def _quant_fp4(
 
     The block amax is taken NaN-propagating and the per-block parameters flag the blocks the
     short path cannot take (``_fp4_params``); one count per program decides: the common tile
-    (no flagged block; nvfp4 also 2^-100 <= g <= 2^100) takes the short path, any other the exact
+    (no flagged block; nvfp4 also 2^-90 <= g <= 2^100) takes the short path, any other the exact
     sanitizing one (``_fp4_store``, SAFE). ABLATE (benchmarks only): 1 skips the block-scale
     stores, 2 also replaces the element encoding by a trivial combination of the inputs, 3
     takes the short path without the check (wrong for NaN and the flagged blocks)."""
@@ -360,9 +360,13 @@ def _quant_fp4(
     amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)  # [BLOCK_T, NB]
     sbyte, smask, den, r, bad = _fp4_params(amax, scale_ptr, MODE, False)
     fast = (tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) == 0) | (ABLATE == 3)
-    if MODE == 3:  # the short path divides without div_rn: exact for 2^-100 <= g <= 2^100
+    if MODE == 3:
+        # the short path divides without div_rn: 1 / g must be normal (g <= 2^100), and for
+        # quotients s >= 2^-10 (where e4m3 stops rounding to 0) the residual of the FMA
+        # correction of a6 / g must be exact, a multiple of ulp(s) * ulp(g) >= 2^-149: g >= 2^-93
+        # (at g = 2^-100 the interpreter shows 1-ulp errors of s near 2^-10)
         g_fast = tl.load(scale_ptr)
-        fast = fast & (g_fast >= 7.888609052210118e-31) & (g_fast <= 1.2676506002282294e30)
+        fast = fast & (g_fast >= 8.077935669463161e-28) & (g_fast <= 1.2676506002282294e30)
     if fast:
         _fp4_store(
             lo, hi, sbyte, smask, den, r, slot, row_ok, m3, pair, data_ptr, data_row_stride,
