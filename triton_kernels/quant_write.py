@@ -162,6 +162,7 @@ def _fp4_params(amax, scale_ptr, MODE: tl.constexpr, SAFE: tl.constexpr):
     subnormal (relative rounding error up to 1/2) or saturated). Elsewhere every quotient is
     at most 6 (mx) or 6 / (1 - 2^-4) < 7 (nvfp4), and the E2M1 rounding of (6, 7) is 6."""
     if MODE == 3:  # +-inf counts as +-FLT_MAX: the block scale saturates at 448
+        nan_blk = amax != amax  # before the NaN-ignoring clamp below, which maps NaN to FLT_MAX
         amax = tl.minimum(amax, 3.4028234663852886e38)
         g = tl.load(scale_ptr)
         gb = tl.full(amax.shape, 1.0, tl.float32) * g
@@ -171,14 +172,19 @@ def _fp4_params(amax, scale_ptr, MODE: tl.constexpr, SAFE: tl.constexpr):
             a6 = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
         else:
             # amax / 6 by multiply + FMA correction: correctly rounded unless the quotient is
-            # subnormal, which the caller excludes (g >= 2^-100: s = RN(a6 / g) then stays far
+            # subnormal, which the caller excludes (g >= 2^-90: s = RN(a6 / g) then stays far
             # below e4m3's smallest step, whatever a6's last bits)
             q6 = amax * 0.16666667163372040
             a6 = tl.fma(tl.fma(-q6, 6.0, amax), 0.16666667163372040, q6)
         # (amax / 6) / g, correctly rounded: an overflowing quotient is NaN after the
         # correction, and min(NaN, 448) = 448
-        q0 = a6 * rgb
-        s_raw = tl.fma(tl.fma(-q0, gb, a6), rgb, q0)
+        if SAFE:
+            # any g: 1 / g may be subnormal (g > 2^126) or overflow (subnormal g), where the
+            # FMA correction below is not exact
+            s_raw = tl.math.div_rn(a6, gb)
+        else:
+            q0 = a6 * rgb
+            s_raw = tl.fma(tl.fma(-q0, gb, a6), rgb, q0)
         s_code, s_dec = _e4m3_rne(tl.minimum(s_raw, 448.0))
         zero_blk = s_dec == 0.0
         denom = tl.where(zero_blk, 1.0, s_dec * gb)
@@ -186,7 +192,7 @@ def _fp4_params(amax, scale_ptr, MODE: tl.constexpr, SAFE: tl.constexpr):
         r = tl.where(zero_blk, 0.0, r)  # zero block: every quotient is 0 ...
         smask = tl.where(zero_blk, 0, 0x80000000).to(tl.uint32)  # ... and no sign is stored
         bad = ~zero_blk & ((s_dec < 0.015625) | ~(s_raw <= 448.0))
-        return s_code, smask, denom, r, bad | (amax != amax)
+        return s_code, smask, denom, r, bad | nan_blk
     else:  # mx: inputs clamp to +-MX_MAX = 6 * 2^125 (so does the amax)
         bad = ~(amax <= 2.5521177519070385e38)  # NaN or above MX_MAX
         amax = tl.minimum(amax, 2.5521177519070385e38)
@@ -275,7 +281,13 @@ def _fp4_store(
             a_hi = tl.abs(hi)
             s_lo = lo.to(tl.uint32, bitcast=True) & sm3
             s_hi = hi.to(tl.uint32, bitcast=True) & sm3
-        if MODE == 3:
+        if MODE == 3 and SAFE:
+            # div_rn: the divisor s * g may be subnormal (g < 2^-117), its reciprocal inf;
+            # r = 0 marks zero blocks (quotient 0)
+            den3 = tl.broadcast_to(den[:, :, None], a_lo.shape)
+            q_lo = tl.where(r3 == 0.0, 0.0, tl.math.div_rn(a_lo, den3))
+            q_hi = tl.where(r3 == 0.0, 0.0, tl.math.div_rn(a_hi, den3))
+        elif MODE == 3:
             den3 = den[:, :, None]
             q_lo = a_lo * r3
             q_hi = a_hi * r3
@@ -325,7 +337,7 @@ def _quant_fp4(
 
     The block amax is taken NaN-propagating and the per-block parameters flag the blocks the
     short path cannot take (``_fp4_params``); one count per program decides: the common tile
-    (no flagged block; nvfp4 also g >= 2^-100) takes the short path, any other the exact
+    (no flagged block; nvfp4 also 2^-90 <= g <= 2^100) takes the short path, any other the exact
     sanitizing one (``_fp4_store``, SAFE). ABLATE (benchmarks only): 1 skips the block-scale
     stores, 2 also replaces the element encoding by a trivial combination of the inputs, 3
     takes the short path without the check (wrong for NaN and the flagged blocks)."""
@@ -348,8 +360,13 @@ def _quant_fp4(
     amax = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 2, _max_nan)  # [BLOCK_T, NB]
     sbyte, smask, den, r, bad = _fp4_params(amax, scale_ptr, MODE, False)
     fast = (tl.sum(tl.sum(bad.to(tl.int32), axis=1), axis=0) == 0) | (ABLATE == 3)
-    if MODE == 3:  # the short path divides amax by 6 without div_rn: exact for g >= 2^-100
-        fast = fast & (tl.load(scale_ptr) >= 7.888609052210118e-31)
+    if MODE == 3:
+        # the short path divides without div_rn: 1 / g must be normal (g <= 2^100), and for
+        # quotients s >= 2^-10 (where e4m3 stops rounding to 0) the residual of the FMA
+        # correction of a6 / g must be exact, a multiple of ulp(s) * ulp(g) >= 2^-149: g >= 2^-93
+        # (at g = 2^-100 the interpreter shows 1-ulp errors of s near 2^-10)
+        g_fast = tl.load(scale_ptr)
+        fast = fast & (g_fast >= 8.077935669463161e-28) & (g_fast <= 1.2676506002282294e30)
     if fast:
         _fp4_store(
             lo, hi, sbyte, smask, den, r, slot, row_ok, m3, pair, data_ptr, data_row_stride,
