@@ -367,7 +367,7 @@ def plan_decode(
     if swap is None:
         swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
     if block_n is None:
-        block_n = (128 if fp8 or asm else 64) if use_dot else 32
+        block_n = max(16, ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view))
     if num_stages is None:
         num_stages = 2
     if num_splits is None:
@@ -431,7 +431,20 @@ class ExtendPlan:
     asm: bool = False
 
 
-def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stages):
+def _head_factor(view: LayerView) -> int:
+    """How many times wider than 128 the widest head is (a power of two, at least 1).
+
+    The measured tile defaults are for head_dim 128; the K/V tiles a program keeps in shared
+    memory (227 KiB per block on the H100/H200) and its accumulator in registers grow with
+    head_dim, so wider heads (Gemma-2's 256, MLA's 576) take tiles that many times shorter and
+    two pipeline stages.
+    """
+    return max(1, _pow2(max(view.head_dim, view.v_head_dim)) // 128)
+
+
+def _extend_tiles(
+    dtype: str, group: int, block_t, block_n, num_warps, num_stages, head_factor: int = 1
+):
     """Extend tile defaults, measured on the H200 (benches/attention, run 5).
 
     4k prefix + 512 new tokens, B=16, 32 q / 8 KV heads. 16-bit caches: 128 rows of (token,
@@ -442,13 +455,13 @@ def _extend_tiles(dtype: str, group: int, block_t, block_n, num_warps, num_stage
     """
     gp = _pow2(group)
     wide = dtype in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
-    rows = 128 if wide else 64
+    rows = max(16, (128 if wide else 64) // head_factor)
     if block_t is None:
         block_t = max(1, rows // gp) if gp <= rows else 1
     if block_n is None:
-        block_n = 64 if dtype == "fp32" else 128
+        block_n = max(16, (64 if dtype == "fp32" else 128) // head_factor)
     if num_stages is None:
-        num_stages = 3 if dtype in ("bf16", "fp16") else 2
+        num_stages = 3 if dtype in ("bf16", "fp16") and head_factor == 1 else 2
     if num_warps is None:
         num_warps = 8 if wide and block_t * gp >= 128 else 4
     return block_t, block_n, num_warps, num_stages
@@ -477,7 +490,7 @@ def plan_extend(
     g = _group(view, num_q_heads)
     dev = view.k.device
     block_t, block_n, num_warps, num_stages = _extend_tiles(
-        view.dtype, g, block_t, block_n, num_warps, num_stages
+        view.dtype, g, block_t, block_n, num_warps, num_stages, _head_factor(view)
     )
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
     cu = cu_seqlens_q.cpu().tolist()
@@ -812,7 +825,9 @@ def extend(
         grid0 = work.shape[0]
         blocks_per_req = 1
     else:
-        block_t, block_n, nw, ns = _extend_tiles(view.dtype, g, None, None, None, None)
+        block_t, block_n, nw, ns = _extend_tiles(
+            view.dtype, g, None, None, None, None, _head_factor(view)
+        )
         asm = _asm_default(view.dtype, "extend")
         work = None
         blocks_per_req = -(-t // block_t)
