@@ -206,7 +206,8 @@ const SUPER: u32 = 0;
 struct Node {
     parent: u32,
     key: Vec<i32>,
-    pages: Vec<PageId>,
+    /// One validated page id per `page_size` tokens of `key`, as stored in int32 page tables.
+    pages: Vec<i32>,
     children: Children,
     /// Locks on paths through this node (its own and its descendants').
     lock: u32,
@@ -539,18 +540,20 @@ impl RadixCache {
     /// match ends inside it, updates access times and the hit/miss counters. Takes no lock.
     pub fn match_prefix(&mut self, ns: &Namespace, tokens: &[i32]) -> Match {
         let mut pages = Vec::new();
-        let (node, len) = self.match_prefix_with(ns, tokens, |p| pages.extend_from_slice(p));
+        let (node, len) = self.match_prefix_with(ns, tokens, |p| {
+            pages.extend(p.iter().filter_map(|&x| PageId::new(x as u32)));
+        });
         Match { pages, node, len }
     }
 
     /// [`match_prefix`](Self::match_prefix) handing the matched pages to `sink`, one slice per
-    /// node in path order (so callers can write them straight into their own buffer).
+    /// node in path order as int32 ids (so callers can copy them straight into their own buffer).
     /// Returns the handle and the matched length in tokens.
     pub fn match_prefix_with(
         &mut self,
         ns: &Namespace,
         tokens: &[i32],
-        mut sink: impl FnMut(&[PageId]),
+        mut sink: impl FnMut(&[i32]),
     ) -> (Handle, usize) {
         self.clock += 1;
         let clock = self.clock;
@@ -637,8 +640,10 @@ impl RadixCache {
             }
         }
         // Validates the pages the tree takes and takes its reference on them (one pass).
-        let new: Vec<PageId> = if pos < aligned {
-            alloc.cache_pages(&pages[pos / ps..full])?
+        let new: Vec<i32> = if pos < aligned {
+            let taken = &pages[pos / ps..full];
+            alloc.cache_pages(taken)?;
+            taken.iter().map(|p| p.to_i64() as i32).collect()
         } else {
             Vec::new()
         };
@@ -765,7 +770,7 @@ impl RadixCache {
             plan.freed_pages += if exact {
                 n.pages.len()
             } else {
-                n.pages.iter().filter(|&&p| alloc.ref_count(p) == 1).count()
+                n.pages.iter().filter(|&&p| alloc.only_cached(p)).count()
             };
             let parent = self.node(n.parent);
             if !parent.key.is_empty() && parent.lock == 0 {
@@ -918,7 +923,7 @@ impl RadixCache {
                 let mut t = toks.clone();
                 t.extend_from_slice(&cn.key);
                 let mut p = pages.clone();
-                p.extend_from_slice(&cn.pages);
+                p.extend(cn.pages.iter().filter_map(|&x| PageId::new(x as u32)));
                 stack.push((c, t, p));
             }
         }
@@ -998,8 +1003,11 @@ impl RadixCache {
                 return bad(format!("node {id}: LRU membership wrong"));
             }
             in_lru += usize::from(n.in_lru);
-            for &p in &n.pages {
-                let i = p.get() as usize;
+            for &raw in &n.pages {
+                let i = raw as u32 as usize;
+                let Some(p) = PageId::new(raw as u32).filter(|_| i < seen.len()) else {
+                    return bad(format!("page {raw} stored in the tree is not a usable id"));
+                };
                 if seen[i] || !alloc.is_cached(p) || alloc.ref_count(p) == 0 {
                     return bad(format!("page {i}: held twice, unmarked or free"));
                 }

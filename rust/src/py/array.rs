@@ -1,5 +1,6 @@
-//! numpy in and out for the bookkeeping rooms: 1-D int32/int64 arrays borrowed without copies
-//! (int64 is narrowed once where the core works in int32), int32 results moved into numpy.
+//! numpy in and out for the bookkeeping rooms: 1-D int32 arrays copied out in one memcpy (cheaper
+//! than registering a numpy borrow, which costs about a thousand instructions per array), int64
+//! arrays borrowed and narrowed once where the core works in int32, int32 results moved into numpy.
 
 use std::borrow::Cow;
 
@@ -10,9 +11,9 @@ use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
 use crate::radix;
 
-/// A borrowed 1-D integer array.
+/// A 1-D integer array: int32 ones read by copy, int64 ones borrowed.
 pub(crate) enum Ints<'py> {
-    I32(PyReadonlyArray1<'py, i32>),
+    I32(Bound<'py, PyArray1<i32>>),
     I64(PyReadonlyArray1<'py, i64>),
 }
 
@@ -29,11 +30,11 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// Borrows `obj` as a 1-D int32 or int64 numpy array.
+/// `obj` as a 1-D int32 or int64 numpy array (int64 ones borrowed).
 pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
     let busy = |e: numpy::BorrowError| array_type_error(obj.py(), format!("`{name}`: {e}"));
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
-        return Ok(Ints::I32(a.try_readonly().map_err(busy)?));
+        return Ok(Ints::I32(a.clone()));
     }
     if let Ok(a) = obj.cast::<PyArray1<i64>>() {
         return Ok(Ints::I64(a.try_readonly().map_err(busy)?));
@@ -62,7 +63,7 @@ impl Ints<'_> {
         }
     }
 
-    /// int32 values, borrowed for int32 input; int64 input is narrowed by `narrow`, whose error
+    /// int32 values, copied for int32 input; int64 input is narrowed by `narrow`, whose error
     /// names the room's bad value.
     fn int32s<E: Into<crate::Error>>(
         &self,
@@ -71,8 +72,8 @@ impl Ints<'_> {
     ) -> PyResult<Cow<'_, [i32]>> {
         match self {
             Self::I32(a) => a
-                .as_slice()
-                .map(Cow::Borrowed)
+                .to_vec()
+                .map(Cow::Owned)
                 .map_err(|_| contiguous(self.py(), name)),
             Self::I64(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
@@ -81,12 +82,12 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input).
+    /// Token ids as int32.
     pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
         self.int32s(name, radix::narrow_tokens)
     }
 
-    /// Page ids as int32 (borrowed for int32 input).
+    /// Page ids as int32.
     pub(crate) fn pages(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
         self.int32s(name, alloc::narrow_pages)
     }
@@ -99,7 +100,7 @@ impl Ints<'_> {
                 .map(Cow::Borrowed)
                 .map_err(|_| contiguous(self.py(), name)),
             Self::I32(a) => {
-                let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
+                let s = a.to_vec().map_err(|_| contiguous(self.py(), name))?;
                 Ok(Cow::Owned(s.iter().map(|&v| i64::from(v)).collect()))
             }
         }
