@@ -112,13 +112,10 @@ pub(crate) fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Per-page state in one word, so checking and updating a page is one load and one store.
-///
-/// Low 32 bits: the holders' references (bits 0..=30; the prefix cache's own reference is not
-/// among them) and [`CACHED`] (bit 31) while a prefix cache holds its reference; so the page's
-/// reference count is `holders + cached`. High 32 bits: stamp of the last call that saw the page,
-/// which detects repeated ids in O(n) without allocating.
-type Slot = u64;
+/// Per-page reference state in 4 bytes (16 pages per cache line): the holders' references
+/// (bits 0..=30; the prefix cache's own reference is not among them) and [`CACHED`] (bit 31)
+/// while a prefix cache holds its reference; the page's reference count is `holders + cached`.
+type Slot = u32;
 
 const CACHED: u32 = 1 << 31;
 const HOLDERS: u32 = CACHED - 1;
@@ -127,15 +124,11 @@ const MAX_REFS: u32 = CACHED - 1;
 
 /// The reference bits of a slot.
 const fn refs(s: Slot) -> u32 {
-    s as u32
+    s
 }
 /// References held on the page, the cache's included.
 const fn ref_total(s: Slot) -> u32 {
     (refs(s) & HOLDERS) + (refs(s) >> 31)
-}
-/// The stamp of a slot.
-const fn seen(s: Slot) -> u32 {
-    (s >> 32) as u32
 }
 
 /// The page allocator. Not thread-safe by itself; the Python binding wraps it in a mutex.
@@ -146,6 +139,10 @@ pub struct PageAllocator {
     num_pages: u32,
     /// State per page id; slot 0 (padding) stays 0: no holder, so every check rejects it.
     slots: Vec<Slot>,
+    /// Stamp of the last call that checked each page for repeats (`stamp` at the time; never
+    /// above it): finds repeated ids in O(n) without allocating. Apart from `slots`, as only
+    /// the rarer paths need it.
+    seen: Vec<u32>,
     /// Free pages as a stack: `free[..free_len]`, the last entries handed out first. One entry
     /// more than there are pages, so a loop may write the next entry unconditionally and count it
     /// only when the page was freed (no branch, no capacity check per page).
@@ -187,6 +184,7 @@ impl PageAllocator {
             page_size: page_size as u32,
             num_pages: n,
             slots: vec![0; n as usize + 1],
+            seen: vec![0; n as usize + 1],
             free,
             free_len: n as usize,
             stamp: 0,
@@ -257,9 +255,7 @@ impl PageAllocator {
         }
         let start = self.free_len - n;
         let taken = &self.free[start..self.free_len];
-        // A copy (vectorized), then one store per page: a free page's slot is all zero but for
-        // a stale stamp, which no later call can match (stamps only grow until the wrap, which
-        // clears them all).
+        // A copy (vectorized), then one store per page (a free page's slot is zero).
         let out: Vec<i32> = taken.iter().rev().copied().collect();
         let slots = &mut self.slots[..];
         for &p in taken {
@@ -279,25 +275,25 @@ impl PageAllocator {
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
         // One pass that checks and applies each page, counters kept local; on an error the pages
         // already done are rolled back, so the call still changes nothing then.
-        let stamp = self.next_stamp();
-        // Stamps never exceed the current one, so `slot >= mark` means "seen by this call".
-        let mark = u64::from(stamp) << 32;
         let slots = &mut self.slots[..];
         let Dropped {
-            done: k,
+            done,
             unshared,
             zeroed,
-        } = drop_refs(slots, pages, mark);
-        if k < pages.len() {
-            for &done in &pages[..k] {
-                slots[done.index()] += 1;
+        } = drop_refs(slots, pages);
+        // A page listed more often than it has holders runs out of them above. One listed twice
+        // while keeping a holder is only seen by stamping: needed only when some page kept one.
+        let ok = done == pages.len() && (unshared + zeroed == pages.len() || self.stamp_once(pages));
+        if !ok {
+            for &p in &pages[..done] {
+                self.slots[p.index()] += 1;
             }
-            return Err(self.free_error(pages[k], stamp));
+            return Err(self.free_error(pages));
         }
         self.shared_cached -= unshared;
         if zeroed > 0 {
             // Listed once each (checked above): the pages at zero now are the ones freed here.
-            let free = &mut self.free[..];
+            let (slots, free) = (&self.slots[..], &mut self.free[..]);
             let mut len = self.free_len;
             for &raw in pages {
                 let i = raw.index();
@@ -310,27 +306,46 @@ impl PageAllocator {
         Ok(())
     }
 
-    /// Why `free` refused `raw` in the call of stamp `stamp`.
-    fn free_error<P: RawPage>(&self, raw: P, stamp: u32) -> AllocError {
-        let p = match self.page(raw) {
-            Ok(p) => p,
-            Err(e) => return e,
-        };
-        let s = self.slots[p.index()];
-        // A repeat of an id this call already applied: report it as the repeat it is.
-        if seen(s) == stamp {
-            AllocError::Duplicate { page: p.get() }
-        } else if ref_total(s) == 0 {
-            AllocError::NotAllocated { page: p.get() }
-        } else {
-            AllocError::OnlyCached { page: p.get() }
+    /// Whether every page (all in range) is listed once; stamps them.
+    fn stamp_once<P: RawPage>(&mut self, pages: &[P]) -> bool {
+        let stamp = self.next_stamp();
+        let seen = &mut self.seen[..];
+        pages.iter().all(|&p| {
+            let s = &mut seen[p.index()];
+            let fresh = *s != stamp;
+            *s = stamp;
+            fresh
+        })
+    }
+
+    /// Why `free` refuses `pages` (unchanged): the first bad page in order, as a validating pass
+    /// of its own finds it (errors only, so the fast path needs no stamps).
+    fn free_error<P: RawPage>(&mut self, pages: &[P]) -> AllocError {
+        let stamp = self.next_stamp();
+        for &raw in pages {
+            let p = match self.page(raw) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            if self.seen[p.index()] == stamp {
+                return AllocError::Duplicate { page: p.get() };
+            }
+            match self.slots[p.index()] {
+                0 => return AllocError::NotAllocated { page: p.get() },
+                CACHED => return AllocError::OnlyCached { page: p.get() },
+                _ => self.seen[p.index()] = stamp,
+            }
+        }
+        // Unreachable for a refused call; a conservative answer all the same.
+        AllocError::Duplicate {
+            page: pages.first().map_or(0, |p| p.to_i64() as u32),
         }
     }
 
     fn next_stamp(&mut self) -> u32 {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
-            self.slots.iter_mut().for_each(|s| *s = u64::from(refs(*s)));
+            self.seen.fill(0);
             self.stamp = 1;
         }
         self.stamp
@@ -376,18 +391,18 @@ impl PageAllocator {
         let stamp = self.next_stamp();
         for &raw in pages {
             let p = self.page(raw)?;
-            let s = &mut self.slots[p.index()];
-            let count = ref_total(*s);
+            let count = ref_total(self.slots[p.index()]);
             if count == 0 {
                 return Err(AllocError::NotAllocated { page: p.get() });
             }
-            if seen(*s) == stamp {
+            let seen = &mut self.seen[p.index()];
+            if *seen == stamp {
                 return Err(AllocError::Duplicate { page: p.get() });
             }
             if count == MAX_REFS {
                 return Err(AllocError::RefOverflow { page: p.get() });
             }
-            *s = (u64::from(stamp) << 32) | u64::from(refs(*s));
+            *seen = stamp;
         }
         Ok(())
     }
@@ -397,7 +412,7 @@ impl PageAllocator {
     pub(crate) fn retain_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
         debug_assert!(ref_total(*s) > 0 && refs(*s) & CACHED == 0 && ref_total(*s) < MAX_REFS);
-        *s |= u64::from(CACHED);
+        *s |= CACHED;
         self.shared_cached += 1; // the holder that handed it over still has its reference
     }
 
@@ -412,15 +427,15 @@ impl PageAllocator {
                 break;
             };
             // Held (holders >= 1), not cached (bit 31 clear) and below the maximum: one compare.
-            if (*s as u32).wrapping_sub(1) >= MAX_REFS - 1 {
+            if s.wrapping_sub(1) >= MAX_REFS - 1 {
                 break;
             }
-            *s |= u64::from(CACHED);
+            *s |= CACHED;
             k += 1;
         }
         if k < pages.len() {
             for &done in &pages[..k] {
-                slots[done.index()] &= !u64::from(CACHED);
+                slots[done.index()] &= !CACHED;
             }
             return Err(self.cache_error(pages, k));
         }
@@ -482,7 +497,7 @@ impl PageAllocator {
             };
             debug_assert!(refs(*s) & CACHED != 0, "release of page {p} the cache does not hold");
             let r = refs(*s) & HOLDERS;
-            *s = u64::from(r);
+            *s = r;
             unshared += usize::from(r != 0);
             // In bounds: the spare entry, and a page the cache still held is not free yet.
             free[len] = p;
@@ -503,25 +518,30 @@ struct Dropped {
 }
 
 /// `free`'s per-page loop, kept apart so its few values stay in registers: drops one holder's
-/// reference on each page and stamps it with `mark`, stopping at the first page that is out of
-/// range, seen already in this call (stamps never exceed the current one, so `slot >= mark`
-/// means exactly that) or held by no holder.
+/// reference on each page, stopping at the first one out of range or with no holder left.
 #[inline(never)]
-fn drop_refs<P: RawPage>(slots: &mut [Slot], pages: &[P], mark: u64) -> Dropped {
+fn drop_refs<P: RawPage>(slots: &mut [Slot], pages: &[P]) -> Dropped {
     let (mut unshared, mut zeroed) = (0usize, 0usize);
     for (k, &raw) in pages.iter().enumerate() {
         // Negative ids map far out of range; the padding page has no holder.
         let Some(s) = slots.get_mut(raw.index()) else {
-            return Dropped { done: k, unshared, zeroed };
+            return Dropped {
+                done: k,
+                unshared,
+                zeroed,
+            };
         };
-        let w = *s;
-        if w >= mark || w as u32 & HOLDERS == 0 {
-            return Dropped { done: k, unshared, zeroed };
+        if *s & HOLDERS == 0 {
+            return Dropped {
+                done: k,
+                unshared,
+                zeroed,
+            };
         }
-        let r = w as u32 - 1;
-        *s = mark | u64::from(r);
-        unshared += usize::from(r.wrapping_sub(CACHED) < 1);
-        zeroed += usize::from(r < 1);
+        *s -= 1;
+        let r = *s;
+        unshared += usize::from(r == CACHED);
+        zeroed += usize::from(r == 0);
     }
     Dropped {
         done: pages.len(),
@@ -719,7 +739,7 @@ mod tests {
         let mut a = PageAllocator::new(2, 1).unwrap();
         let p = a.alloc(2).unwrap();
         a.stamp = u32::MAX;
-        a.slots[1] |= 1 << 32; // a stale stamp that would alias after the wrap
+        a.seen[1] = 1; // a stale stamp that would alias after the wrap
         assert!(a.inc_ref(&p).is_ok());
         assert_eq!(a.stamp, 1);
         assert!(a.inc_ref(&[p[0], p[0]]).is_err());
