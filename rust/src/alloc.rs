@@ -283,7 +283,8 @@ impl PageAllocator {
         } = drop_refs(slots, pages);
         // A page listed more often than it has holders runs out of them above. One listed twice
         // while keeping a holder is only seen by stamping: needed only when some page kept one.
-        let ok = done == pages.len() && (unshared + zeroed == pages.len() || self.stamp_once(pages));
+        let ok =
+            done == pages.len() && (unshared + zeroed == pages.len() || self.stamp_once(pages));
         if !ok {
             for &p in &pages[..done] {
                 self.slots[p.index()] += 1;
@@ -495,7 +496,10 @@ impl PageAllocator {
             let Some(s) = slots.get_mut(p as u32 as usize) else {
                 continue;
             };
-            debug_assert!(refs(*s) & CACHED != 0, "release of page {p} the cache does not hold");
+            debug_assert!(
+                refs(*s) & CACHED != 0,
+                "release of page {p} the cache does not hold"
+            );
             let r = refs(*s) & HOLDERS;
             *s = r;
             unshared += usize::from(r != 0);
