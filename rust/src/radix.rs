@@ -502,9 +502,10 @@ impl RadixCache {
     fn child(&self, parent: u32, page: &[i32]) -> Option<u32> {
         let ps = page.len();
         let kids = self.node(parent).children.candidates(page[0]);
+        // Candidates share the first token (their map key): the rest of the page decides.
         kids.iter()
             .copied()
-            .find(|&c| self.node(c).key()[..ps] == *page)
+            .find(|&c| self.node(c).key()[1..ps] == page[1..])
     }
 
     fn is_evictable_leaf(&self, id: u32) -> bool {
