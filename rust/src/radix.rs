@@ -544,7 +544,7 @@ impl RadixCache {
         let ps = self.page_size;
         let c = &mut self.nodes[child as usize];
         let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
-        // `child` keeps the rest in place: its buffer becomes rest key, rest pages.
+        // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
         let old = std::mem::take(&mut c.data);
         let (key, pages) = old.split_at(c.key_len as usize);
         let mut rest = Vec::with_capacity(old.len() - m - m / ps);
