@@ -258,10 +258,9 @@ impl PageAllocator {
         // A copy (vectorized), then one store per page (a free page's slot is zero).
         let out: Vec<i32> = taken.iter().rev().copied().collect();
         let slots = &mut self.slots[..];
+        // Ids on the free list are in range: the bounds check never fails (a cold branch).
         for &p in taken {
-            if let Some(s) = slots.get_mut(p as u32 as usize) {
-                *s = 1;
-            }
+            slots[p as u32 as usize] = 1;
         }
         self.free_len = start;
         Ok(out)
@@ -481,10 +480,9 @@ impl PageAllocator {
         if self.shared_cached == 0 {
             // No cached page has another holder: every one is freed (a store, then one copy).
             for &p in pages {
-                if let Some(s) = slots.get_mut(p as u32 as usize) {
-                    debug_assert_eq!(refs(*s), CACHED, "page {p}: not the cache's alone");
-                    *s = 0;
-                }
+                let s = &mut slots[p as u32 as usize];
+                debug_assert_eq!(refs(*s), CACHED, "page {p}: not the cache's alone");
+                *s = 0;
             }
             self.free[len..len + pages.len()].copy_from_slice(pages);
             self.free_len = len + pages.len();
@@ -493,9 +491,7 @@ impl PageAllocator {
         let free = &mut self.free[..];
         let (mut unshared, mut len) = (0usize, len);
         for &p in pages {
-            let Some(s) = slots.get_mut(p as u32 as usize) else {
-                continue;
-            };
+            let s = &mut slots[p as u32 as usize];
             debug_assert!(
                 refs(*s) & CACHED != 0,
                 "release of page {p} the cache does not hold"
