@@ -6,7 +6,9 @@ On a shared machine the load drifts within minutes; alternating keeps the compar
 per-round ratio new/old is reported besides the minima and medians.
 
 Usage: python benches/radix/ab_builds.py OLD_DIR NEW_DIR [--cells system_prompts:1,...]
-       [--rounds 5] [--repeats 7] [--out FILE.json]
+       [--rounds 5] [--repeats 7] [--cpu] [--out FILE.json]
+--cpu compares process CPU time of the loop instead of wall time (less sensitive to being
+descheduled, not to sharing caches and memory bandwidth).
 OLD_DIR / NEW_DIR are directories holding a `kvpool` package (e.g. a copy of python/kvpool with
 its built _core.abi3.so).
 """
@@ -23,10 +25,10 @@ CODE = r"""
 import gc, json, sys
 sys.path.insert(0, sys.argv[4])
 import bench_radix as b
-w, ps, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+w, ps, reps, key = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
 reqs, pool = b.WORKLOADS[w]()
 gc.collect(); gc.freeze()
-print(json.dumps([b.replay("kvpool", reqs, pool, ps, timed=False)["loop_s"] for _ in range(reps)]))
+print(json.dumps([b.replay("kvpool", reqs, pool, ps, timed=False)[key] for _ in range(reps)]))
 """
 
 
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("--cells", default="system_prompts:1,conversations:1,system_prompts:16,conversations:16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall time")
     ap.add_argument("--out")
     args = ap.parse_args()
     builds = {"old": args.old, "new": args.new}
@@ -48,7 +51,8 @@ def main():
             w, ps = c.split(":")
             for b in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
                 env = dict(os.environ, PYTHONPATH=builds[b])
-                out = subprocess.run([sys.executable, "-c", CODE, w, ps, str(args.repeats), HERE], env=env,
+                key = "loop_cpu_s" if args.cpu else "loop_s"
+                out = subprocess.run([sys.executable, "-c", CODE, w, ps, str(args.repeats), HERE, key], env=env,
                                      capture_output=True, text=True, check=True).stdout
                 best[(b, c)].append(min(json.loads(out)))
         load.append(os.getloadavg()[0])
@@ -65,6 +69,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"old": args.old, "new": args.new, "rounds": args.rounds, "repeats": args.repeats,
+                       "metric": "loop_cpu_s" if args.cpu else "loop_s",
                        "loadavg_1min": load, "cells": rows}, f, indent=1)
 
 

@@ -179,11 +179,17 @@ impl PageAllocator {
         let n = num_pages as u32;
         // Stack order: the first `alloc` returns 1, 2, 3, ...; plus the spare entry.
         let free: Box<[i32]> = (1..=n as i32).rev().chain([0]).collect();
+        let mut slots = vec![0; n as usize + 1];
+        // Touch every memory page of the slots now (a zeroed allocation is mapped lazily), so the
+        // first allocations of a serving loop do not take the page faults.
+        for s in slots.iter_mut().step_by(1024) {
+            *s = std::hint::black_box(0);
+        }
         Ok(Self {
             id: next_id(),
             page_size: page_size as u32,
             num_pages: n,
-            slots: vec![0; n as usize + 1],
+            slots,
             seen: vec![0; n as usize + 1],
             free,
             free_len: n as usize,

@@ -206,7 +206,7 @@ const SUPER: u32 = 0;
 struct Node {
     parent: u32,
     /// The edge in one buffer: its `key_len` tokens, then one validated page id per `page_size`
-    /// of them (int32, as stored in page tables). A dead slot keeps the buffer for the next node.
+    /// of them (int32, as stored in page tables).
     data: Vec<i32>,
     key_len: u32,
     children: Children,
@@ -458,41 +458,35 @@ impl RadixCache {
         &mut self.nodes[id as usize]
     }
 
-    /// A live node in a free slot (reusing the slot's edge buffer) or a new one; `key` and
-    /// `pages` make up its edge.
-    fn new_node(&mut self, mut node: Node, key: &[i32], pages: impl Iterator<Item = i32>) -> u32 {
+    /// A live node in a free slot or a new one; `key` and `pages` make up its edge (one
+    /// allocation of exactly its size).
+    fn new_node(
+        &mut self,
+        mut node: Node,
+        key: &[i32],
+        pages: impl ExactSizeIterator<Item = i32>,
+    ) -> u32 {
         node.live = true;
         node.key_len = key.len() as u32;
-        let slot = match self.free_slots.pop() {
-            Some(slot) => {
-                let old = &mut self.nodes[slot as usize];
-                node.generation = old.generation;
-                node.data = std::mem::take(&mut old.data);
-                slot
-            }
-            None => {
-                self.nodes.push(Node::default());
-                (self.nodes.len() - 1) as u32
-            }
-        };
-        node.data.clear();
-        node.data.extend_from_slice(key);
-        node.data.extend(pages);
-        self.nodes[slot as usize] = node;
-        slot
+        let mut data = Vec::with_capacity(key.len() + pages.len());
+        data.extend_from_slice(key);
+        data.extend(pages);
+        node.data = data;
+        if let Some(slot) = self.free_slots.pop() {
+            node.generation = self.nodes[slot as usize].generation;
+            self.nodes[slot as usize] = node;
+            slot
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        }
     }
 
     fn free_node(&mut self, id: u32) {
         let old = &mut self.nodes[id as usize];
-        let (generation, mut data) = (
-            old.generation.wrapping_add(1),
-            std::mem::take(&mut old.data),
-        );
-        data.clear();
         *old = Node {
-            generation,
+            generation: old.generation.wrapping_add(1),
             parent: NONE,
-            data,
             ..Node::default()
         };
         self.free_slots.push(id);
