@@ -112,36 +112,23 @@ pub(crate) fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// Per-page state, kept together so one page costs one cache line touch.
-#[derive(Debug, Clone, Copy, Default)]
-struct Slot {
-    /// Reference count in the low 31 bits; bit 31 set while a prefix cache holds one of them.
-    refs: u32,
-    /// Stamp of the last call that saw the page: detects repeated ids in O(n), no allocation.
-    seen: u32,
-}
+/// Per-page reference state in 4 bytes (16 pages per cache line): the holders' references
+/// (bits 0..=30; the prefix cache's own reference is not among them) and [`CACHED`] (bit 31)
+/// while a prefix cache holds its reference; the page's reference count is `holders + cached`.
+type Slot = u32;
 
 const CACHED: u32 = 1 << 31;
+const HOLDERS: u32 = CACHED - 1;
+/// Largest reference count of a page (holders plus the cache's).
 const MAX_REFS: u32 = CACHED - 1;
 
-impl Slot {
-    const fn count(self) -> u32 {
-        self.refs & MAX_REFS
-    }
-    const fn cached(self) -> bool {
-        self.refs & CACHED != 0
-    }
+/// The reference bits of a slot.
+const fn refs(s: Slot) -> u32 {
+    s
 }
-
-/// What a validated call is about to do with its pages.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Use {
-    /// Drop one of the caller's references (not the cache's).
-    Free,
-    /// Add one reference.
-    Share,
-    /// Add the cache's reference (the page must not be cached yet).
-    Cache,
+/// References held on the page, the cache's included.
+const fn ref_total(s: Slot) -> u32 {
+    (refs(s) & HOLDERS) + (refs(s) >> 31)
 }
 
 /// The page allocator. Not thread-safe by itself; the Python binding wraps it in a mutex.
@@ -150,12 +137,19 @@ pub struct PageAllocator {
     id: u64,
     page_size: u32,
     num_pages: u32,
-    /// State per page id; index 0 (padding) stays unused.
+    /// State per page id; slot 0 (padding) stays 0: no holder, so every check rejects it.
     slots: Vec<Slot>,
-    /// Free pages, used as a stack (the last entries are handed out first).
-    free: Vec<PageId>,
+    /// Stamp of the last call that checked each page for repeats (`stamp` at the time; never
+    /// above it): finds repeated ids in O(n) without allocating. Apart from `slots`, as only
+    /// the rarer paths need it.
+    seen: Vec<u32>,
+    /// Free pages as a stack: `free[..free_len]`, the last entries handed out first. One entry
+    /// more than there are pages, so a loop may write the next entry unconditionally and count it
+    /// only when the page was freed (no branch, no capacity check per page).
+    free: Box<[i32]>,
+    free_len: usize,
     stamp: u32,
-    /// Cached pages that someone else holds too (count >= 2): when there are none, evicting a
+    /// Cached pages that someone else holds too (holders >= 1): when there are none, evicting a
     /// page always frees it, and the cache can plan evictions without looking at each page.
     shared_cached: usize,
 }
@@ -183,14 +177,22 @@ impl PageAllocator {
             });
         }
         let n = num_pages as u32;
-        // Stack order: the first `alloc` returns 1, 2, 3, ...
-        let free = (1..=n).rev().filter_map(PageId::new).collect();
+        // Stack order: the first `alloc` returns 1, 2, 3, ...; plus the spare entry.
+        let free: Box<[i32]> = (1..=n as i32).rev().chain([0]).collect();
+        let mut slots = vec![0; n as usize + 1];
+        // Touch every memory page of the slots now (a zeroed allocation is mapped lazily), so the
+        // first allocations of a serving loop do not take the page faults.
+        for s in slots.iter_mut().step_by(1024) {
+            *s = std::hint::black_box(0);
+        }
         Ok(Self {
             id: next_id(),
             page_size: page_size as u32,
             num_pages: n,
-            slots: vec![Slot::default(); n as usize + 1],
+            slots,
+            seen: vec![0; n as usize + 1],
             free,
+            free_len: n as usize,
             stamp: 0,
             shared_cached: 0,
         })
@@ -202,24 +204,32 @@ impl PageAllocator {
     pub const fn page_size(&self) -> usize {
         self.page_size as usize
     }
-    pub fn num_free(&self) -> usize {
-        self.free.len()
+    pub const fn num_free(&self) -> usize {
+        self.free_len
     }
     /// Pages with at least one reference.
-    pub fn num_used(&self) -> usize {
-        self.num_pages as usize - self.free.len()
+    pub const fn num_used(&self) -> usize {
+        self.num_pages as usize - self.free_len
     }
     /// References held on `page` (0 for a free page), the cache's included.
     pub fn ref_count(&self, page: PageId) -> u32 {
-        self.slots.get(page.index()).map_or(0, |s| s.count())
+        self.slots.get(page.index()).map_or(0, |&s| ref_total(s))
     }
     /// Reference count of every page id, index 0 (padding) included.
     pub fn ref_counts(&self) -> Vec<u32> {
-        self.slots.iter().map(|s| s.count()).collect()
+        self.slots.iter().map(|&s| ref_total(s)).collect()
     }
     /// Whether a prefix cache holds a reference on `page`.
     pub fn is_cached(&self, page: PageId) -> bool {
-        self.slots.get(page.index()).is_some_and(|s| s.cached())
+        self.slots
+            .get(page.index())
+            .is_some_and(|&s| refs(s) & CACHED != 0)
+    }
+    /// Whether the cache's reference is the only one on `page` (an id the cache holds).
+    pub(crate) fn only_cached(&self, page: i32) -> bool {
+        self.slots
+            .get(page as u32 as usize)
+            .is_some_and(|&s| refs(s) == CACHED)
     }
     pub(crate) const fn id(&self) -> u64 {
         self.id
@@ -230,37 +240,35 @@ impl PageAllocator {
     /// # Errors
     /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>, AllocError> {
-        self.take(n, |p| p)
+        Ok(self
+            .alloc_i32(n)?
+            .into_iter()
+            .filter_map(|p| PageId::new(p as u32))
+            .collect())
     }
 
-    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries) in one pass.
+    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries).
     ///
     /// # Errors
     /// As [`alloc`](Self::alloc).
     pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
-        self.take(n, PageId::as_i32)
-    }
-
-    fn take<T>(&mut self, n: usize, f: impl Fn(PageId) -> T) -> Result<Vec<T>, AllocError> {
-        if n > self.free.len() {
+        if n > self.free_len {
             return Err(AllocError::OutOfPages {
                 requested: n,
-                free: self.free.len(),
+                free: self.free_len,
                 evictable: 0,
             });
         }
-        let start = self.free.len() - n;
-        // A slice, not the Vec: its pointer and length stay in registers through the loop.
+        let start = self.free_len - n;
+        let taken = &self.free[start..self.free_len];
+        // A copy (vectorized), then one store per page (a free page's slot is zero).
+        let out: Vec<i32> = taken.iter().rev().copied().collect();
         let slots = &mut self.slots[..];
-        let out: Vec<T> = self.free[start..]
-            .iter()
-            .rev()
-            .map(|&p| {
-                slots[p.index()].refs = 1;
-                f(p)
-            })
-            .collect();
-        self.free.truncate(start);
+        // Ids on the free list are in range: the bounds check never fails (a cold branch).
+        for &p in taken {
+            slots[p as u32 as usize] = 1;
+        }
+        self.free_len = start;
         Ok(out)
     }
 
@@ -270,76 +278,80 @@ impl PageAllocator {
     /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
     /// cache's, or an id repeated in `pages` ([`AllocError`]); nothing changes then.
     pub fn free<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        // One pass that checks and applies each page (counters kept local, so the loop carries
-        // no store); on an error the pages already done are rolled back, so the call still
-        // changes nothing then. Pages that reached zero go to the free list afterwards.
-        let stamp = self.next_stamp();
+        // One pass that checks and applies each page, counters kept local; on an error the pages
+        // already done are rolled back, so the call still changes nothing then.
         let slots = &mut self.slots[..];
-        let (mut unshared, mut freed) = (0usize, 0usize);
-        for (k, &raw) in pages.iter().enumerate() {
-            // A negative id maps to an index out of range, like any id above num_pages.
-            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
-            let ok = v != 0
-                && slots
-                    .get(v)
-                    .is_some_and(|s| s.seen != stamp && s.count() > u32::from(s.cached()));
-            if !ok {
-                for &done in &pages[..k] {
-                    slots[done.to_i64() as usize].refs += 1;
-                }
-                return Err(self.held_error(raw, stamp, Use::Free));
+        let Dropped {
+            done,
+            unshared,
+            zeroed,
+        } = drop_refs(slots, pages);
+        // A page listed more often than it has holders runs out of them above. One listed twice
+        // while keeping a holder is only seen by stamping: needed only when some page kept one.
+        let ok =
+            done == pages.len() && (unshared + zeroed == pages.len() || self.stamp_once(pages));
+        if !ok {
+            for &p in &pages[..done] {
+                self.slots[p.index()] += 1;
             }
-            let s = &mut slots[v];
-            let refs = s.refs - 1;
-            *s = Slot { refs, seen: stamp };
-            unshared += usize::from(refs == CACHED | 1);
-            freed += usize::from(refs == 0);
+            return Err(self.free_error(pages));
         }
         self.shared_cached -= unshared;
-        if freed > 0 {
+        if zeroed > 0 {
             // Listed once each (checked above): the pages at zero now are the ones freed here.
-            let slots = &self.slots;
-            self.free.extend(pages.iter().filter_map(|&raw| {
-                let i = raw.to_i64() as u32;
-                if slots[i as usize].refs == 0 {
-                    PageId::new(i)
-                } else {
-                    None
-                }
-            }));
+            let (slots, free) = (&self.slots[..], &mut self.free[..]);
+            let mut len = self.free_len;
+            for &raw in pages {
+                let i = raw.index();
+                // In bounds: the spare entry, and a page still held here is not free yet.
+                free[len] = i as i32;
+                len += usize::from(slots.get(i).is_some_and(|&s| refs(s) == 0));
+            }
+            self.free_len = len;
         }
         Ok(())
     }
 
-    /// The error [`check_held`](Self::check_held) reports for `raw` (known to fail) in the call
-    /// of stamp `stamp`.
-    fn held_error<P: RawPage>(&self, raw: P, stamp: u32, what: Use) -> AllocError {
-        let p = match self.page(raw) {
-            Ok(p) => p,
-            Err(e) => return e,
-        };
-        let s = self.slots[p.index()];
-        let count = s.count();
-        // A repeat of an id this call already applied: report it as the repeat it is.
-        if s.seen == stamp {
-            return AllocError::Duplicate { page: p.get() };
-        }
-        if count == 0 {
-            return AllocError::NotAllocated { page: p.get() };
-        }
-        match what {
-            Use::Free => AllocError::OnlyCached { page: p.get() },
-            Use::Share | Use::Cache if count == MAX_REFS => {
-                AllocError::RefOverflow { page: p.get() }
+    /// Whether every page (all in range) is listed once; stamps them.
+    fn stamp_once<P: RawPage>(&mut self, pages: &[P]) -> bool {
+        let stamp = self.next_stamp();
+        let seen = &mut self.seen[..];
+        pages.iter().all(|&p| {
+            let s = &mut seen[p.index()];
+            let fresh = *s != stamp;
+            *s = stamp;
+            fresh
+        })
+    }
+
+    /// Why `free` refuses `pages` (unchanged): the first bad page in order, as a validating pass
+    /// of its own finds it (errors only, so the fast path needs no stamps).
+    fn free_error<P: RawPage>(&mut self, pages: &[P]) -> AllocError {
+        let stamp = self.next_stamp();
+        for &raw in pages {
+            let p = match self.page(raw) {
+                Ok(p) => p,
+                Err(e) => return e,
+            };
+            if self.seen[p.index()] == stamp {
+                return AllocError::Duplicate { page: p.get() };
             }
-            _ => AllocError::AlreadyCached { page: p.get() },
+            match self.slots[p.index()] {
+                0 => return AllocError::NotAllocated { page: p.get() },
+                CACHED => return AllocError::OnlyCached { page: p.get() },
+                _ => self.seen[p.index()] = stamp,
+            }
+        }
+        // Unreachable for a refused call; a conservative answer all the same.
+        AllocError::Duplicate {
+            page: pages.first().map_or(0, |p| p.to_i64() as u32),
         }
     }
 
     fn next_stamp(&mut self) -> u32 {
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
-            self.slots.iter_mut().for_each(|s| s.seen = 0);
+            self.seen.fill(0);
             self.stamp = 1;
         }
         self.stamp
@@ -350,11 +362,11 @@ impl PageAllocator {
     /// # Errors
     /// As [`free`](Self::free), plus [`AllocError::RefOverflow`]; nothing changes then.
     pub fn inc_ref<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        self.check_held(pages, Use::Share)?;
+        self.check_shareable(pages)?;
         for &raw in pages {
-            let s = &mut self.slots[raw.to_i64() as usize];
-            s.refs += 1;
-            if s.refs == CACHED | 2 {
+            let s = &mut self.slots[raw.index()];
+            *s += 1;
+            if refs(*s) == CACHED | 1 {
                 self.shared_cached += 1;
             }
         }
@@ -379,37 +391,24 @@ impl PageAllocator {
         PageId::new(v as u32).ok_or(AllocError::PaddingPage)
     }
 
-    /// Validates that every page is usable, allocated and listed once, and allowed for `what`.
+    /// Validates that every page is usable, allocated, listed once and below the maximum count.
     /// Changes no reference count.
-    pub(crate) fn check_held<P: RawPage>(
-        &mut self,
-        pages: &[P],
-        what: Use,
-    ) -> Result<(), AllocError> {
+    fn check_shareable<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
         let stamp = self.next_stamp();
         for &raw in pages {
             let p = self.page(raw)?;
-            let s = &mut self.slots[p.index()];
-            let count = s.count();
+            let count = ref_total(self.slots[p.index()]);
             if count == 0 {
                 return Err(AllocError::NotAllocated { page: p.get() });
             }
-            if s.seen == stamp {
+            let seen = &mut self.seen[p.index()];
+            if *seen == stamp {
                 return Err(AllocError::Duplicate { page: p.get() });
             }
-            match what {
-                Use::Free if count == u32::from(s.cached()) => {
-                    return Err(AllocError::OnlyCached { page: p.get() })
-                }
-                Use::Share | Use::Cache if count == MAX_REFS => {
-                    return Err(AllocError::RefOverflow { page: p.get() })
-                }
-                Use::Cache if s.cached() => {
-                    return Err(AllocError::AlreadyCached { page: p.get() })
-                }
-                _ => {}
+            if count == MAX_REFS {
+                return Err(AllocError::RefOverflow { page: p.get() });
             }
-            s.seen = stamp;
+            *seen = stamp;
         }
         Ok(())
     }
@@ -418,47 +417,54 @@ impl PageAllocator {
     #[cfg(test)]
     pub(crate) fn retain_cached(&mut self, p: PageId) {
         let s = &mut self.slots[p.index()];
-        debug_assert!(s.count() > 0 && !s.cached() && s.count() < MAX_REFS);
-        s.refs = (s.refs + 1) | CACHED;
+        debug_assert!(ref_total(*s) > 0 && refs(*s) & CACHED == 0 && ref_total(*s) < MAX_REFS);
+        *s |= CACHED;
         self.shared_cached += 1; // the holder that handed it over still has its reference
     }
 
     /// Takes the cache's reference on each page, which must be held, not cached yet and listed
     /// once: validation and update in one pass (rolled back on an error, so nothing changes then).
-    /// Returns the pages as ids.
-    pub(crate) fn cache_pages<P: RawPage>(
-        &mut self,
-        pages: &[P],
-    ) -> Result<Vec<PageId>, AllocError> {
-        let stamp = self.next_stamp();
+    /// The cache bit is its own duplicate check: a repeated page finds it set.
+    pub(crate) fn cache_pages<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
         let slots = &mut self.slots[..];
-        for (k, &raw) in pages.iter().enumerate() {
-            let v = usize::try_from(raw.to_i64()).unwrap_or(usize::MAX);
-            // Held (count >= 1), not cached (bit 31 clear) and below the maximum: one compare.
-            let ok = v != 0
-                && slots
-                    .get(v)
-                    .is_some_and(|s| s.seen != stamp && s.refs.wrapping_sub(1) < MAX_REFS - 1);
-            if !ok {
-                for &done in &pages[..k] {
-                    let s = &mut slots[done.to_i64() as usize];
-                    s.refs = (s.refs & MAX_REFS) - 1;
-                }
-                return Err(self.held_error(raw, stamp, Use::Cache));
-            }
-            let s = &mut slots[v];
-            *s = Slot {
-                refs: (s.refs + 1) | CACHED,
-                seen: stamp,
+        let mut k = 0;
+        while k < pages.len() {
+            let Some(s) = slots.get_mut(pages[k].index()) else {
+                break;
             };
+            // Held (holders >= 1), not cached (bit 31 clear) and below the maximum: one compare.
+            if s.wrapping_sub(1) >= MAX_REFS - 1 {
+                break;
+            }
+            *s |= CACHED;
+            k += 1;
+        }
+        if k < pages.len() {
+            for &done in &pages[..k] {
+                slots[done.index()] &= !CACHED;
+            }
+            return Err(self.cache_error(pages, k));
         }
         // Every holder that handed a page over still has its reference.
         self.shared_cached += pages.len();
-        // All validated as usable ids above.
-        Ok(pages
-            .iter()
-            .map(|&raw| PageId(NonZeroU32::new(raw.to_i64() as u32).unwrap_or(NonZeroU32::MIN)))
-            .collect())
+        Ok(())
+    }
+
+    /// Why `cache_pages` refused `pages[k]` (the pages before it were fine and rolled back).
+    fn cache_error<P: RawPage>(&self, pages: &[P], k: usize) -> AllocError {
+        let raw = pages[k];
+        let p = match self.page(raw) {
+            Ok(p) => p,
+            Err(e) => return e,
+        };
+        if pages[..k].iter().any(|q| q.to_i64() == raw.to_i64()) {
+            return AllocError::Duplicate { page: p.get() };
+        }
+        match ref_total(self.slots[p.index()]) {
+            0 => AllocError::NotAllocated { page: p.get() },
+            MAX_REFS => AllocError::RefOverflow { page: p.get() },
+            _ => AllocError::AlreadyCached { page: p.get() },
+        }
     }
 
     /// Cached pages with another holder besides the cache.
@@ -469,59 +475,123 @@ impl PageAllocator {
     /// Drops the cache's reference on a page it holds.
     #[cfg(test)]
     pub(crate) fn release_cached(&mut self, p: PageId) {
-        self.release_cached_all(&[p]);
+        self.release_cached_all(&[p.as_i32()]);
     }
 
-    /// Drops the cache's reference on each page (all held by it, each listed once). Slots are
-    /// updated in one tight pass; the pages that reached zero then go to the free list.
-    pub(crate) fn release_cached_all(&mut self, pages: &[PageId]) {
+    /// Drops the cache's reference on each page (all held by it, each listed once); the pages
+    /// that reached zero go to the free list.
+    pub(crate) fn release_cached_all(&mut self, pages: &[i32]) {
         let slots = &mut self.slots[..];
-        let (mut unshared, mut freed) = (0usize, 0usize);
+        let len = self.free_len;
+        if self.shared_cached == 0 {
+            // No cached page has another holder: every one is freed (a store, then one copy).
+            for &p in pages {
+                let s = &mut slots[p as u32 as usize];
+                debug_assert_eq!(refs(*s), CACHED, "page {p}: not the cache's alone");
+                *s = 0;
+            }
+            self.free[len..len + pages.len()].copy_from_slice(pages);
+            self.free_len = len + pages.len();
+            return;
+        }
+        let free = &mut self.free[..];
+        let (mut unshared, mut len) = (0usize, len);
         for &p in pages {
-            let s = &mut slots[p.index()];
+            let s = &mut slots[p as u32 as usize];
             debug_assert!(
-                s.cached() && s.count() > 0,
-                "release of page {} the cache does not hold",
-                p.get()
+                refs(*s) & CACHED != 0,
+                "release of page {p} the cache does not hold"
             );
-            let count = s.count();
-            unshared += usize::from(count >= 2);
-            s.refs = count.saturating_sub(1);
-            freed += usize::from(s.refs == 0);
+            let r = refs(*s) & HOLDERS;
+            *s = r;
+            unshared += usize::from(r != 0);
+            // In bounds: the spare entry, and a page the cache still held is not free yet.
+            free[len] = p;
+            len += usize::from(r == 0);
         }
         self.shared_cached -= unshared;
-        if freed == pages.len() {
-            self.free.extend_from_slice(pages);
-        } else if freed > 0 {
-            let slots = &self.slots;
-            self.free
-                .extend(pages.iter().copied().filter(|p| slots[p.index()].refs == 0));
+        self.free_len = len;
+    }
+}
+
+/// What [`drop_refs`] did: pages done (all of them unless one failed) and the counts to apply.
+struct Dropped {
+    done: usize,
+    /// Cached pages whose last holder besides the cache left.
+    unshared: usize,
+    /// Pages whose last reference went: to the free list.
+    zeroed: usize,
+}
+
+/// `free`'s per-page loop, kept apart so its few values stay in registers: drops one holder's
+/// reference on each page, stopping at the first one out of range or with no holder left.
+#[inline(never)]
+fn drop_refs<P: RawPage>(slots: &mut [Slot], pages: &[P]) -> Dropped {
+    let (mut unshared, mut zeroed) = (0usize, 0usize);
+    for (k, &raw) in pages.iter().enumerate() {
+        // Negative ids map far out of range; the padding page has no holder.
+        let Some(s) = slots.get_mut(raw.index()) else {
+            return Dropped {
+                done: k,
+                unshared,
+                zeroed,
+            };
+        };
+        if *s & HOLDERS == 0 {
+            return Dropped {
+                done: k,
+                unshared,
+                zeroed,
+            };
         }
+        *s -= 1;
+        let r = *s;
+        unshared += usize::from(r == CACHED);
+        zeroed += usize::from(r == 0);
+    }
+    Dropped {
+        done: pages.len(),
+        unshared,
+        zeroed,
     }
 }
 
 /// Integer types a page id may arrive as (numpy int32 / int64, Rust ids).
 pub trait RawPage: Copy {
     fn to_i64(self) -> i64;
+    /// The id as a slot index; a negative id maps beyond every pool (so it fails the range check).
+    fn index(self) -> usize;
 }
 impl RawPage for i32 {
     fn to_i64(self) -> i64 {
         i64::from(self)
+    }
+    fn index(self) -> usize {
+        self as u32 as usize
     }
 }
 impl RawPage for i64 {
     fn to_i64(self) -> i64 {
         self
     }
+    fn index(self) -> usize {
+        usize::try_from(self).unwrap_or(usize::MAX)
+    }
 }
 impl RawPage for u32 {
     fn to_i64(self) -> i64 {
         i64::from(self)
     }
+    fn index(self) -> usize {
+        self as usize
+    }
 }
 impl RawPage for PageId {
     fn to_i64(self) -> i64 {
         i64::from(self.get())
+    }
+    fn index(self) -> usize {
+        self.get() as usize
     }
 }
 
@@ -675,7 +745,7 @@ mod tests {
         let mut a = PageAllocator::new(2, 1).unwrap();
         let p = a.alloc(2).unwrap();
         a.stamp = u32::MAX;
-        a.slots[1].seen = 1; // a stale stamp that would alias after the wrap
+        a.seen[1] = 1; // a stale stamp that would alias after the wrap
         assert!(a.inc_ref(&p).is_ok());
         assert_eq!(a.stamp, 1);
         assert!(a.inc_ref(&[p[0], p[0]]).is_err());

@@ -205,8 +205,10 @@ const SUPER: u32 = 0;
 #[derive(Debug, Default)]
 struct Node {
     parent: u32,
-    key: Vec<i32>,
-    pages: Vec<PageId>,
+    /// The edge in one buffer: its `key_len` tokens, then one validated page id per `page_size`
+    /// of them (int32, as stored in page tables).
+    data: Vec<i32>,
+    key_len: u32,
     children: Children,
     /// Locks on paths through this node (its own and its descendants').
     lock: u32,
@@ -218,6 +220,15 @@ struct Node {
     in_lru: bool,
     /// The namespace key, for namespace roots only.
     ns: Option<Box<[u8]>>,
+}
+
+impl Node {
+    fn key(&self) -> &[i32] {
+        &self.data[..self.key_len as usize]
+    }
+    fn pages(&self) -> &[i32] {
+        &self.data[self.key_len as usize..]
+    }
 }
 
 /// Children of a node, found by the first token of their key; the first page decides equality
@@ -412,7 +423,7 @@ impl RadixCache {
     pub fn num_nodes(&self) -> usize {
         self.nodes
             .iter()
-            .filter(|n| n.live && !n.key.is_empty())
+            .filter(|n| n.live && !n.key().is_empty())
             .count()
     }
 
@@ -447,8 +458,20 @@ impl RadixCache {
         &mut self.nodes[id as usize]
     }
 
-    fn new_node(&mut self, mut node: Node) -> u32 {
+    /// A live node in a free slot or a new one; `key` and `pages` make up its edge (one
+    /// allocation of exactly its size).
+    fn new_node(
+        &mut self,
+        mut node: Node,
+        key: &[i32],
+        pages: impl ExactSizeIterator<Item = i32>,
+    ) -> u32 {
         node.live = true;
+        node.key_len = key.len() as u32;
+        let mut data = Vec::with_capacity(key.len() + pages.len());
+        data.extend_from_slice(key);
+        data.extend(pages);
+        node.data = data;
         if let Some(slot) = self.free_slots.pop() {
             node.generation = self.nodes[slot as usize].generation;
             self.nodes[slot as usize] = node;
@@ -460,9 +483,9 @@ impl RadixCache {
     }
 
     fn free_node(&mut self, id: u32) {
-        let generation = self.node(id).generation.wrapping_add(1);
-        self.nodes[id as usize] = Node {
-            generation,
+        let old = &mut self.nodes[id as usize];
+        *old = Node {
+            generation: old.generation.wrapping_add(1),
             parent: NONE,
             ..Node::default()
         };
@@ -473,14 +496,15 @@ impl RadixCache {
     fn child(&self, parent: u32, page: &[i32]) -> Option<u32> {
         let ps = page.len();
         let kids = self.node(parent).children.candidates(page[0]);
+        // Candidates share the first token (their map key): the rest of the page decides.
         kids.iter()
             .copied()
-            .find(|&c| self.node(c).key[..ps] == *page)
+            .find(|&c| self.node(c).key()[1..ps] == page[1..])
     }
 
     fn is_evictable_leaf(&self, id: u32) -> bool {
         let n = self.node(id);
-        n.live && !n.key.is_empty() && n.children.is_empty() && n.lock == 0
+        n.live && !n.key().is_empty() && n.children.is_empty() && n.lock == 0
     }
 
     /// Puts `id` in or out of the LRU set after its children, lock or access time changed.
@@ -513,23 +537,26 @@ impl RadixCache {
     fn split(&mut self, child: u32, m: usize) -> u32 {
         let ps = self.page_size;
         let c = &mut self.nodes[child as usize];
-        let rest_key = c.key.split_off(m);
-        let head_key = std::mem::replace(&mut c.key, rest_key);
-        let rest_pages = c.pages.split_off(m / ps);
-        let head_pages = std::mem::replace(&mut c.pages, rest_pages);
         let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
+        // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
+        let old = std::mem::take(&mut c.data);
+        let (key, pages) = old.split_at(c.key_len as usize);
+        let mut rest = Vec::with_capacity(old.len() - m - m / ps);
+        rest.extend_from_slice(&key[m..]);
+        rest.extend_from_slice(&pages[m / ps..]);
+        c.key_len -= m as u32;
+        c.data = rest;
         let mut children = Children::default();
-        children.insert(c.key[0], child);
-        let first = head_key[0];
-        let mid = self.new_node(Node {
+        children.insert(key[m], child);
+        let first = key[0];
+        let head = Node {
             parent,
-            key: head_key,
-            pages: head_pages,
             children,
             lock,
             last_access,
             ..Node::default()
-        });
+        };
+        let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
         self.node_mut(child).parent = mid;
         self.node_mut(parent).children.replace(first, child, mid);
         mid
@@ -539,18 +566,20 @@ impl RadixCache {
     /// match ends inside it, updates access times and the hit/miss counters. Takes no lock.
     pub fn match_prefix(&mut self, ns: &Namespace, tokens: &[i32]) -> Match {
         let mut pages = Vec::new();
-        let (node, len) = self.match_prefix_with(ns, tokens, |p| pages.extend_from_slice(p));
+        let (node, len) = self.match_prefix_with(ns, tokens, |p| {
+            pages.extend(p.iter().filter_map(|&x| PageId::new(x as u32)));
+        });
         Match { pages, node, len }
     }
 
     /// [`match_prefix`](Self::match_prefix) handing the matched pages to `sink`, one slice per
-    /// node in path order (so callers can write them straight into their own buffer).
+    /// node in path order as int32 ids (so callers can copy them straight into their own buffer).
     /// Returns the handle and the matched length in tokens.
     pub fn match_prefix_with(
         &mut self,
         ns: &Namespace,
         tokens: &[i32],
-        mut sink: impl FnMut(&[PageId]),
+        mut sink: impl FnMut(&[i32]),
     ) -> (Handle, usize) {
         self.clock += 1;
         let clock = self.clock;
@@ -565,9 +594,9 @@ impl RadixCache {
                     break;
                 };
                 let c = self.node(child);
-                let m = common_prefix(&c.key, &tokens[pos..aligned]) / ps * ps;
-                let whole = m == c.key.len();
-                sink(&c.pages[..m / ps]);
+                let m = common_prefix(c.key(), &tokens[pos..aligned]) / ps * ps;
+                let whole = m == c.key().len();
+                sink(&c.pages()[..m / ps]);
                 pos += m;
                 cur = if whole { child } else { self.split(child, m) };
                 self.touch(cur, clock);
@@ -625,7 +654,7 @@ impl RadixCache {
                 let Some(child) = self.child(cur, &tokens[pos..pos + ps]) else {
                     break;
                 };
-                let key = &self.node(child).key;
+                let key = self.node(child).key();
                 let m = common_prefix(key, &tokens[pos..aligned]) / ps * ps;
                 pos += m;
                 if m < key.len() {
@@ -637,11 +666,9 @@ impl RadixCache {
             }
         }
         // Validates the pages the tree takes and takes its reference on them (one pass).
-        let new: Vec<PageId> = if pos < aligned {
-            alloc.cache_pages(&pages[pos / ps..full])?
-        } else {
-            Vec::new()
-        };
+        if pos < aligned {
+            alloc.cache_pages(&pages[pos / ps..full])?;
+        }
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
@@ -653,24 +680,25 @@ impl RadixCache {
             parent = self.split(child, m);
             self.touch(parent, clock);
         }
-        if new.is_empty() {
+        if pos == aligned {
             return Ok(pos);
         }
         if parent == NONE {
-            parent = self.new_node(Node {
+            let root = Node {
                 parent: NONE,
                 ns: Some(ns.as_bytes().into()),
                 ..Node::default()
-            });
+            };
+            parent = self.new_node(root, &[], std::iter::empty());
             self.roots.insert(ns.as_bytes().into(), parent);
         }
-        let leaf = self.new_node(Node {
+        let leaf = Node {
             parent,
-            key: tokens[pos..aligned].to_vec(),
-            pages: new,
             last_access: clock,
             ..Node::default()
-        });
+        };
+        let taken = pages[pos / ps..full].iter().map(|p| p.to_i64() as i32);
+        let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
         self.evictable += aligned - pos;
         self.refresh(parent);
@@ -697,8 +725,8 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock += 1;
             if n.lock == 1 {
-                self.evictable -= n.key.len();
-                self.protected += n.key.len();
+                self.evictable -= n.key().len();
+                self.protected += n.key().len();
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -722,8 +750,8 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock -= 1;
             if n.lock == 0 {
-                self.protected -= n.key.len();
-                self.evictable += n.key.len();
+                self.protected -= n.key().len();
+                self.evictable += n.key().len();
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -761,14 +789,14 @@ impl RadixCache {
             let Some((_, id)) = next else { break };
             let n = self.node(id);
             plan.order.push(id);
-            plan.tokens += n.key.len();
+            plan.tokens += n.key().len();
             plan.freed_pages += if exact {
-                n.pages.len()
+                n.pages().len()
             } else {
-                n.pages.iter().filter(|&&p| alloc.ref_count(p) == 1).count()
+                n.pages().iter().filter(|&&p| alloc.only_cached(p)).count()
             };
             let parent = self.node(n.parent);
-            if !parent.key.is_empty() && parent.lock == 0 {
+            if !parent.key().is_empty() && parent.lock == 0 {
                 let g = gone.entry(n.parent).or_insert(0);
                 *g += 1;
                 if *g == parent.children.len() {
@@ -781,18 +809,17 @@ impl RadixCache {
 
     /// Removes an unlocked leaf: drops the tree's reference on its pages.
     fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32) {
-        let n = std::mem::take(&mut self.nodes[id as usize]);
+        let n = &self.nodes[id as usize];
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
         }
-        alloc.release_cached_all(&n.pages);
-        self.evictable -= n.key.len();
-        self.nodes[id as usize].generation = n.generation;
+        alloc.release_cached_all(n.pages());
+        let (parent, first, len) = (n.parent, n.key()[0], n.key_len as usize);
+        self.evictable -= len;
         self.free_node(id);
-        let parent = n.parent;
-        self.node_mut(parent).children.remove(n.key[0], id);
+        self.node_mut(parent).children.remove(first, id);
         let p = self.node(parent);
-        if p.key.is_empty() {
+        if p.key().is_empty() {
             if parent != SUPER && p.children.is_empty() && p.lock == 0 {
                 if let Some(ns) = self.node_mut(parent).ns.take() {
                     self.roots.remove(&ns);
@@ -893,7 +920,7 @@ impl RadixCache {
             });
         }
         for n in &self.nodes {
-            alloc.release_cached_all(&n.pages);
+            alloc.release_cached_all(n.pages());
         }
         let fresh = Self::new(alloc, self.page_size)?;
         *self = fresh;
@@ -916,9 +943,9 @@ impl RadixCache {
             for c in n.children.ids() {
                 let cn = self.node(c);
                 let mut t = toks.clone();
-                t.extend_from_slice(&cn.key);
+                t.extend_from_slice(cn.key());
                 let mut p = pages.clone();
-                p.extend_from_slice(&cn.pages);
+                p.extend(cn.pages().iter().filter_map(|&x| PageId::new(x as u32)));
                 stack.push((c, t, p));
             }
         }
@@ -955,8 +982,11 @@ impl RadixCache {
             }
             for (first, c) in n.children.entries() {
                 let cn = self.node(c);
-                let found = cn.key.get(..ps).and_then(|page| self.child(id, page));
-                if !cn.live || cn.parent != id || cn.key.first() != Some(&first) || found != Some(c)
+                let found = cn.key().get(..ps).and_then(|page| self.child(id, page));
+                if !cn.live
+                    || cn.parent != id
+                    || cn.key().first() != Some(&first)
+                    || found != Some(c)
                 {
                     return bad(format!("node {id}: child {c} mislinked"));
                 }
@@ -964,7 +994,7 @@ impl RadixCache {
             if id == SUPER {
                 continue;
             }
-            if n.key.is_empty() {
+            if n.key().is_empty() {
                 let ok = n.parent == NONE
                     && n.ns
                         .as_ref()
@@ -975,22 +1005,25 @@ impl RadixCache {
                 }
                 continue;
             }
-            if n.key.len() != n.pages.len() * ps || n.parent == NONE || !self.node(n.parent).live {
+            if n.key().len() != n.pages().len() * ps
+                || n.parent == NONE
+                || !self.node(n.parent).live
+            {
                 return bad(format!(
                     "node {id}: {} tokens, {} pages, parent {}",
-                    n.key.len(),
-                    n.pages.len(),
+                    n.key().len(),
+                    n.pages().len(),
                     n.parent
                 ));
             }
             let parent = self.node(n.parent);
-            if !parent.key.is_empty() && parent.last_access < n.last_access {
+            if !parent.key().is_empty() && parent.last_access < n.last_access {
                 return bad(format!("node {id} accessed after its parent"));
             }
             if n.lock == 0 {
-                evictable += n.key.len();
+                evictable += n.key().len();
             } else {
-                protected += n.key.len();
+                protected += n.key().len();
             }
             if n.in_lru != self.is_evictable_leaf(id)
                 || (n.in_lru && !self.lru.contains(&(n.last_access, id)))
@@ -998,8 +1031,11 @@ impl RadixCache {
                 return bad(format!("node {id}: LRU membership wrong"));
             }
             in_lru += usize::from(n.in_lru);
-            for &p in &n.pages {
-                let i = p.get() as usize;
+            for &raw in n.pages() {
+                let i = raw as u32 as usize;
+                let Some(p) = PageId::new(raw as u32).filter(|_| i < seen.len()) else {
+                    return bad(format!("page {raw} stored in the tree is not a usable id"));
+                };
                 if seen[i] || !alloc.is_cached(p) || alloc.ref_count(p) == 0 {
                     return bad(format!("page {i}: held twice, unmarked or free"));
                 }

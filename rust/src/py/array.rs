@@ -1,5 +1,7 @@
 //! numpy in and out for the bookkeeping rooms: 1-D int32/int64 arrays borrowed without copies
-//! (int64 is narrowed once where the core works in int32), int32 results moved into numpy.
+//! (int64 is narrowed once where the core works in int32) or, when short, copied out in one memcpy
+//! (cheaper than registering a numpy borrow, about a thousand instructions); int32 results moved
+//! into numpy.
 
 use std::borrow::Cow;
 
@@ -10,11 +12,16 @@ use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
 use crate::radix;
 
-/// A borrowed 1-D integer array.
+/// A 1-D integer array, borrowed or (short int32 ones) copied.
 pub(crate) enum Ints<'py> {
+    /// A short int32 array's values; `None` when it is not contiguous.
+    Short(Python<'py>, Option<Vec<i32>>),
     I32(PyReadonlyArray1<'py, i32>),
     I64(PyReadonlyArray1<'py, i64>),
 }
+
+/// Up to this many elements an int32 array is copied rather than borrowed.
+const COPY_MAX: usize = 2048;
 
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match (obj.getattr("dtype"), obj.getattr("ndim")) {
@@ -29,10 +36,13 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
-/// Borrows `obj` as a 1-D int32 or int64 numpy array.
+/// Borrows (or, when short, copies) `obj` as a 1-D int32 or int64 numpy array.
 pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
     let busy = |e: numpy::BorrowError| array_type_error(obj.py(), format!("`{name}`: {e}"));
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        if a.len() <= COPY_MAX {
+            return Ok(Ints::Short(obj.py(), a.to_vec().ok()));
+        }
         return Ok(Ints::I32(a.try_readonly().map_err(busy)?));
     }
     if let Ok(a) = obj.cast::<PyArray1<i64>>() {
@@ -57,6 +67,7 @@ fn contiguous(py: Python<'_>, name: &str) -> PyErr {
 impl Ints<'_> {
     fn py(&self) -> Python<'_> {
         match self {
+            Self::Short(py, _) => *py,
             Self::I32(a) => a.py(),
             Self::I64(a) => a.py(),
         }
@@ -70,6 +81,10 @@ impl Ints<'_> {
         narrow: fn(&[i64]) -> Result<Vec<i32>, E>,
     ) -> PyResult<Cow<'_, [i32]>> {
         match self {
+            Self::Short(py, v) => v
+                .as_deref()
+                .map(Cow::Borrowed)
+                .ok_or_else(|| contiguous(*py, name)),
             Self::I32(a) => a
                 .as_slice()
                 .map(Cow::Borrowed)
@@ -98,6 +113,10 @@ impl Ints<'_> {
                 .as_slice()
                 .map(Cow::Borrowed)
                 .map_err(|_| contiguous(self.py(), name)),
+            Self::Short(py, v) => {
+                let s = v.as_deref().ok_or_else(|| contiguous(*py, name))?;
+                Ok(Cow::Owned(s.iter().map(|&v| i64::from(v)).collect()))
+            }
             Self::I32(a) => {
                 let s = a.as_slice().map_err(|_| contiguous(self.py(), name))?;
                 Ok(Cow::Owned(s.iter().map(|&v| i64::from(v)).collect()))

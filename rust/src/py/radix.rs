@@ -138,8 +138,7 @@ impl PyRadixCache {
         let tokens = arr.tokens("tokens")?;
         let mut c = guard(&self.cache);
         let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / c.page_size());
-        let (node, len) =
-            c.match_prefix_with(&ns, &tokens, |p| pages.extend(p.iter().map(|x| x.as_i32())));
+        let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
         drop(c);
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
