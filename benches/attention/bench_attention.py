@@ -215,6 +215,8 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
         "prefetch": plan.prefetch,
         "asm": plan.asm,
         "swap": plan.swap,
+        "group_pad": plan.group_pad,
+        "maxnreg": plan.maxnreg,
         "ablate": plan.ablate,
         "variant_kw": plan_kw,
     }

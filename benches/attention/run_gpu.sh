@@ -3,7 +3,7 @@
 # the GPU tests run (run_gpu_tests.sh: plain pytest processes, a time limit per test), then time.
 # Everything lands in $OUT (tests_*.log, warm.log, bench.log, attention.json; read/ for the
 # optional second pass with a read-only L2 flush). Env: SECTIONS, VARIANTS (JSON list), DEFAULT
-# (JSON plan overrides), GRID, EXT (JSON lists), NWARM, TEST_TIMEOUT, BENCH_TIMEOUT,
+# (JSON plan overrides), DTYPES (comma list), GRID, EXT (JSON lists), NWARM, TEST_TIMEOUT, BENCH_TIMEOUT,
 # TESTS (pytest -k expression; "none" skips the tests), READ_SECTIONS/READ_DTYPES (second pass).
 set -u
 cd "$(dirname "$0")/../.."
@@ -16,11 +16,12 @@ DEFAULT=${DEFAULT:-}
 GRID=${GRID:-[{\}]}
 EXT=${EXT:-[{\}]}
 NWARM=${NWARM:-8}
+DTYPES=${DTYPES:-fp32,bf16,fp16,fp8_e4m3,fp8_e5m2,nvfp4,fp4_mx_block16}
 B=benches/attention/bench_attention.py
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > "$OUT/bench.log" 2>&1
 for i in $(seq 0 $((NWARM - 1))); do
-  timeout "${WARM_TIMEOUT:-200}" python3 $B --warm "$i/$NWARM" --sections "$SECTIONS" --variants "$VARIANTS" \
+  timeout "${WARM_TIMEOUT:-200}" python3 $B --warm "$i/$NWARM" --sections "$SECTIONS" --variants "$VARIANTS" --dtypes "$DTYPES" \
     --default "$DEFAULT" --grid-configs "$GRID" --extend-configs "$EXT" >> "$OUT/warm.log" 2>&1 &
 done
 if [ "${TESTS-x}" != "none" ]; then
@@ -30,7 +31,7 @@ fi
 echo "tests done at +$(( $(date +%s) - T0 ))s"
 wait
 echo "warm done at +$(( $(date +%s) - T0 ))s"
-timeout "${BENCH_TIMEOUT:-300}" python3 $B --out "$OUT" --sections "$SECTIONS" --variants "$VARIANTS" \
+timeout "${BENCH_TIMEOUT:-300}" python3 $B --out "$OUT" --sections "$SECTIONS" --variants "$VARIANTS" --dtypes "$DTYPES" \
   --default "$DEFAULT" --grid-configs "$GRID" --extend-configs "$EXT" 2>&1 | tee -a "$OUT/bench.log" \
   | grep -v "^  File\|^    " | tail -150
 if [ -n "${READ_SECTIONS:-}" ]; then

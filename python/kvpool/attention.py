@@ -309,6 +309,13 @@ class DecodePlan:
     ablate : int
         Benchmarks only: leave one kernel stage out (0 = none; 1-3 see ``decode_kernel``; 4 = the
         split merge). Results are wrong when nonzero.
+    maxnreg : int or None
+        Register cap per thread for the split kernel (Triton's ``maxnreg``; None: the
+        compiler's choice). Fewer registers let more programs share a multiprocessor.
+    group_pad : int
+        Rows the query group is padded to in the kernel (a power of two >= the group): 16 for
+        untransposed dots, the group's power of two for transposed ones; 16 makes Triton use
+        Hopper's warpgroup MMA for transposed dots.
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     """
@@ -325,6 +332,8 @@ class DecodePlan:
     asm: bool
     swap: bool
     ablate: int
+    group_pad: int
+    maxnreg: int | None
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
 
@@ -344,6 +353,8 @@ def plan_decode(
     prefetch: bool | None = None,
     asm: bool | None = None,
     swap: bool | None = None,
+    group_pad: int | None = None,
+    maxnreg: int | None = None,
     ablate: int = 0,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
@@ -359,7 +370,7 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap, group_pad, maxnreg : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
@@ -394,6 +405,11 @@ def plan_decode(
         raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
     if swap and (not use_dot or prefetch or ablate > 1):
         raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
+    g = _group(view, num_q_heads)
+    if group_pad is None:
+        group_pad = max(16, _pow2(g)) if use_dot and not swap else _pow2(g)
+    if group_pad < g or group_pad & (group_pad - 1):
+        raise ValueError(f"`group_pad` = {group_pad}: must be a power of two >= the group {g}")
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(
@@ -413,6 +429,8 @@ def plan_decode(
         asm=bool(asm) and _asm_ok(view),
         swap=bool(swap),
         ablate=int(ablate),
+        group_pad=int(group_pad),
+        maxnreg=None if maxnreg is None else int(maxnreg),
         part_out=part_out,
         part_lse=part_lse,
     )
@@ -625,6 +643,8 @@ def decode(
         plan = plan_decode(view, hq, page_table, seq_lens)
     elif plan.page_table.shape[0] != bsz:
         raise ValueError(f"`plan` was made for {plan.page_table.shape[0]} requests, `q` has {bsz}")
+    if plan.group_pad < g:
+        raise ValueError(f"`plan` pads the query group to {plan.group_pad} rows, the group is {g}")
 
     from kvpool.triton_kernels.decode import decode_kernel, merge_kernel
 
@@ -632,7 +652,7 @@ def decode(
     cdt = _compute_dtype(view.dtype)
     kbs, vbs, ksc, vsc = _scale_args(view)
     s = plan.num_splits
-    gp = max(16, _pow2(g)) if plan.use_dot and not plan.swap else _pow2(g)
+    gp = plan.group_pad
     dummy = out
     decode_kernel[(bsz, view.num_kv_heads, s)](
         q,
@@ -683,6 +703,7 @@ def decode(
         SWAP=plan.swap,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
     )
     if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
         merge_kernel[(bsz, hq)](
