@@ -370,7 +370,9 @@ def plan_decode(
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
-    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap, group_pad, maxnreg : optional
+    num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
+        Override the heuristics (benchmarks, tuning).
+    group_pad, maxnreg : optional
         Override the heuristics (benchmarks, tuning).
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
