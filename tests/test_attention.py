@@ -722,3 +722,73 @@ def test_word_decode_needs_4_byte_rows(dtype):
     cu = torch.tensor([0, 1, 2], dtype=torch.int32)
     assert not attention.plan_extend(view, 4, cu, cache.page_table, cache.seq_lens).asm
     assert not attention.plan_extend(view, 4, cu, cache.page_table, cache.seq_lens, asm=True).asm
+
+
+# ----------------------------------------------------------------------------- decode plan defaults
+
+
+def test_default_splits_wave_model(monkeypatch):
+    """The split count minimizes waves x (tokens per split + half a tile); values by hand for
+    132 multiprocessors: 3 programs per SM with 4 warps (396 slots), 12 with 1 warp (1,584)."""
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    ds = attention.default_splits
+    # 4 warps, B=64/8k, 128-token tiles: 512 programs. s=1: 2 waves x 8256 = 16512;
+    # s=2: 3 waves x 4160 = 12480; s=3: chunk 2816 (ceil(8192/3)=2731 -> 22 tiles), 4 waves x
+    # 2880 = 11520; s=4: 6 waves x 2112 = 12672: 3 wins
+    assert ds(64, 8, 8192, "cpu", 128, 4) == 3
+    # 1 warp, 32-token tiles: s=3 -> 1,536 programs, one wave x (2752 + 16) = 2768; s=4 -> 2,048
+    # programs, 2 waves x (2048 + 16) = 4128; s=6: 2 waves x (1376 + 16) = 2784: 3 wins
+    assert ds(64, 8, 8192, "cpu", 32, 1) == 3
+    # B=16: 128 programs; s=12 -> 1,536 (one wave), chunk 704 -> 720; s=13 -> 1,664: 2 waves
+    assert ds(16, 8, 8192, "cpu", 32, 1) == 12
+    # latency-bound (<= 16 programs): the most splits: 256 of >= 128 tokens (1 warp), 128 of
+    # >= 256 tokens (4 warps)
+    assert ds(1, 8, 32768, "cpu", 16, 1) == 256
+    assert ds(1, 8, 32768, "cpu", 128, 4) == 128
+    assert ds(1, 8, 1000, "cpu", 16, 1) == 7
+    assert ds(1, 8, 100, "cpu", 16, 1) == 1
+
+
+@pytest.mark.parametrize(
+    "dtype, d, b, expect",
+    [
+        # (num_warps, block_n, swap, group_pad)
+        ("fp8_e4m3", 128, 64, (1, 32, True, 4)),
+        ("fp8_e5m2", 128, 64, (1, 32, True, 4)),
+        ("fp8_e4m3", 128, 1, (1, 16, True, 4)),  # latency-bound: 16-token tiles
+        ("nvfp4", 128, 64, (1, 16, False, 16)),
+        ("fp4_mx_block16", 64, 64, (1, 16, False, 16)),
+        ("bf16", 128, 64, (4, 64, True, 4)),
+        ("fp32", 128, 64, (4, 64, False, 16)),
+        ("fp8_e4m3", 256, 64, (4, 64, True, 4)),  # wide heads keep 4-warp tiles
+        ("nvfp4", 256, 64, (4, 64, False, 16)),
+    ],
+)
+def test_plan_decode_defaults(dtype, d, b, expect):
+    cache = Cache(dtype, [5] * b, heads=8, d=d, page=16)
+    plan = attention.plan_decode(cache.view, 32, cache.page_table, cache.seq_lens)
+    assert (plan.num_warps, plan.block_n, plan.swap, plan.group_pad) == expect
+    assert plan.asm == (dtype not in ("bf16", "fp32"))
+    assert plan.maxnreg is None
+
+
+def test_plan_decode_knobs_and_errors():
+    cache = Cache("fp8_e4m3", [5, 9], heads=2, d=32, page=16)
+    pt, sl = cache.page_table, cache.seq_lens
+    # an explicit 4-warp plan keeps the 4-warp tiles; prefetch and no-dot plans too
+    p4 = attention.plan_decode(cache.view, 8, pt, sl, num_warps=4)
+    assert (p4.num_warps, p4.block_n) == (4, 128)
+    assert attention.plan_decode(cache.view, 8, pt, sl, prefetch=True).num_warps == 4
+    assert attention.plan_decode(cache.view, 8, pt, sl, use_dot=False).num_warps == 4
+    p = attention.plan_decode(cache.view, 8, pt, sl, swap=True, group_pad=16, maxnreg=128)
+    assert (p.group_pad, p.maxnreg) == (16, 128)
+    with pytest.raises(ValueError, match="`group_pad` = 2"):
+        attention.plan_decode(cache.view, 8, pt, sl, group_pad=2)
+    with pytest.raises(ValueError, match="`group_pad` = 12"):
+        attention.plan_decode(cache.view, 8, pt, sl, group_pad=12)
+    # a plan padded for a group of 4 cannot serve a group of 8 (16 query heads, same cache)
+    q = torch.zeros(2, 16, 32, dtype=torch.bfloat16)
+    p8 = attention.plan_decode(cache.view, 16, pt, sl)
+    p8.group_pad = 4
+    with pytest.raises(ValueError, match="pads the query group to 4 rows, the group is 8"):
+        attention.decode(cache.view, q, plan=p8, backend="triton")

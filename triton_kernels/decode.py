@@ -41,56 +41,73 @@ def e2m1_div64_f16(b, BN: tl.constexpr, D: tl.constexpr):
 def load_raw(
     ptr,
     bs_ptr,
-    slot,
+    row,
+    row_bs,
     mask,
     head,
-    stride_row,
-    stride_bs_row,
     D: tl.constexpr,
     FMT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
-    """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
-    ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
-    scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
-    if FMT == 1 and ASM:  # fp8 bytes as int32 words (rows are 4-byte aligned: D % 4 == 0)
+    """Stored bytes of one KV head in the rows starting at offset ``row`` (``[BN]``, int32 or
+    int64, masked by ``mask``): ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]``
+    uint8 for FP4), block scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise).
+
+    ``row`` counts the units the load reads: int32 words with ``ASM`` for fp8/FP4 (rows are
+    4-byte aligned), else ``ptr``'s elements; ``row_bs`` counts block-scale bytes. Row and column
+    offsets are summed before the one pointer add (32-bit when the caller's offsets are).
+    Masked rows are not read."""
+    if FMT == 1 and ASM:  # fp8 bytes as int32 words
         d4 = tl.arange(0, D // 4)
-        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        x = tl.load(
-            wp + slot[:, None] * (stride_row // 4) + head * (D // 4) + d4[None, :],
-            mask=mask[:, None],
-            other=0,
-        )
+        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + head * (D // 4)
+        x = tl.load(wp + (row[:, None] + d4[None, :]), mask=mask[:, None], other=0)
         return x, mask
     elif FMT < 2:
         d = tl.arange(0, D)
-        x = tl.load(
-            ptr + slot[:, None] * stride_row + head * D + d[None, :], mask=mask[:, None], other=0.0
-        )
+        x = tl.load(ptr + head * D + (row[:, None] + d[None, :]), mask=mask[:, None], other=0.0)
         return x, mask
     else:
-        if ASM:  # the same bytes as int32 words (rows are 4-byte aligned: D/2 % 4 == 0)
+        if ASM:  # the same bytes as int32 words
             d8 = tl.arange(0, D // 8)
-            wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-            x = tl.load(
-                wp + slot[:, None] * (stride_row // 4) + head * (D // 8) + d8[None, :],
-                mask=mask[:, None],
-                other=0,
-            )
+            wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + head * (D // 8)
+            x = tl.load(wp + (row[:, None] + d8[None, :]), mask=mask[:, None], other=0)
         else:
             d2 = tl.arange(0, D // 2)
             x = tl.load(
-                ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
-                mask=mask[:, None],
-                other=0,
+                ptr + head * (D // 2) + (row[:, None] + d2[None, :]), mask=mask[:, None], other=0
             )
         j = tl.arange(0, D // 16)
         s = tl.load(
-            bs_ptr + slot[:, None] * stride_bs_row + head * (D // 16) + j[None, :],
-            mask=mask[:, None],
-            other=0,
+            bs_ptr + head * (D // 16) + (row_bs[:, None] + j[None, :]), mask=mask[:, None], other=0
         )
         return x, s
+
+
+@triton.jit
+def row_offsets(
+    page,
+    t,
+    page_shift,
+    s_k,
+    s_kb,
+    s_v,
+    s_vb,
+    OFF64: tl.constexpr,
+    KV_SAME: tl.constexpr,
+):
+    """Row offsets of tokens ``t`` (``[BN]``) whose pages are ``page``: ``(k, k_bs, v, v_bs)``,
+    each ``slot * stride`` (strides in :func:`load_raw`'s units). The slot is int32 (a pool has
+    fewer than 2^31 slots); the products are int32 unless ``OFF64`` (a buffer of 2^31 or more
+    units). ``KV_SAME``: V has K's strides, so its offsets are K's. Doing this in 32-bit halves
+    the address arithmetic per row (sm_90 SASS: 64-bit products cost three multiplies)."""
+    slot = (page << page_shift) + (t & ((1 << page_shift) - 1))
+    if OFF64:
+        slot = slot.to(tl.int64)
+    rk = slot * s_k
+    rkb = slot * s_kb
+    if KV_SAME:
+        return rk, rkb, rk, rkb
+    return rk, rkb, slot * s_v, slot * s_vb
 
 
 @triton.jit
@@ -291,8 +308,13 @@ def load_kv_tile(
     CDT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
-    """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
-    x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)
+    """``load_raw`` then ``dequant``: rows ``slot`` (int64 ``[BN]``) of one KV head as
+    ``[BN, D]`` in CDT; ``stride_row`` in elements (bytes for fp8/FP4)."""
+    if ASM and FMT >= 1:
+        row = slot * (stride_row // 4)
+    else:
+        row = slot * stride_row
+    x, s = load_raw(ptr, bs_ptr, row, slot * stride_bs_row, mask, head, D, FMT, ASM)
     return dequant(x, s, BN, D, FMT, CDT, False, ASM, ptr.dtype.element_ty == tl.float8e5)
 
 
@@ -357,6 +379,8 @@ def decode_kernel(
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
     SWAP: tl.constexpr = False,
+    OFF64: tl.constexpr = True,
+    KV_SAME: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -367,12 +391,18 @@ def decode_kernel(
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
     ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
-    as the MMA's M side.
+    as the MMA's M side. ``OFF64``, ``KV_SAME``: see :func:`row_offsets` (row strides are in
+    elements, or bytes for fp8/FP4).
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    page_mask = (1 << page_shift) - 1
+    if ASM and FMT >= 1:  # rows are read as int32 words (strides are multiples of 4 bytes)
+        s_k = stride_kr // 4
+        s_v = stride_vr // 4
+    else:
+        s_k = stride_kr
+        s_v = stride_vr
 
     seq = tl.load(SEQ + b)
     lo = 0
@@ -420,8 +450,10 @@ def decode_kernel(
             t = s + tl.arange(0, BLOCK_N)
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            rk, rkb, rv, rvb = row_offsets(
+                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+            )
+            kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
             k = dequant(
                 kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM, K.dtype.element_ty == tl.float8e5
             )
@@ -435,7 +467,7 @@ def decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             p_t = tl.exp2(qk_t - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p_t, 0)
-            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
             v = dequant(
                 vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM, V.dtype.element_ty == tl.float8e5
             )
@@ -453,9 +485,11 @@ def decode_kernel(
             t = start + tl.arange(0, BLOCK_N)
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+            rk, rkb, rv, rvb = row_offsets(
+                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+            )
+            kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
+            vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
             t1 = t + BLOCK_N
             page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
 
@@ -465,15 +499,19 @@ def decode_kernel(
             if PREFETCH:
                 tn = t + BLOCK_N
                 tnm = tn < end
-                sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
-                kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
-                vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+                rkn, rkbn, rvn, rvbn = row_offsets(
+                    page_next, tn, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                )
+                kxn, ksn = load_raw(K, KBS, rkn, rkbn, tnm, hk, D, FMT, ASM)
+                vxn, vsn = load_raw(V, VBS, rvn, rvbn, tnm, hk, DV, FMT, ASM)
                 tnn = tn + BLOCK_N
                 page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
             else:
                 page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-                slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-                kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+                rk, rkb, rv, rvb = row_offsets(
+                    page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                )
+                kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
             if ABLATE == 3:
                 qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
             else:
@@ -504,7 +542,7 @@ def decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if not PREFETCH:
-                vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
+                vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
             if ABLATE == 3:
                 pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
             else:

@@ -423,8 +423,15 @@ def warm(args, dtypes, dflt, shard, nshards):
         try:
             if kind == "decode":
                 kw = dict(kw)
-                if "num_splits" not in kw:
-                    kw["num_splits"] = attention.default_splits(b, HK, ctx, torch.device("cuda"))
+                if "num_splits" not in kw:  # the timed run's split count (it specializes)
+                    kw["num_splits"] = attention.plan_decode(
+                        pv,
+                        HQ,
+                        torch.ones(b, ctx // page, dtype=torch.int32, device="cuda"),
+                        torch.full((b,), ctx, dtype=torch.int32, device="cuda"),
+                        max_seq_len=ctx,
+                        **kw,
+                    ).num_splits
                 key = (
                     dtype,
                     kw["num_splits"] == 1,

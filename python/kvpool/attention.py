@@ -240,25 +240,38 @@ def _asm_mode(asm: bool) -> int:
 
 
 def default_splits(
-    batch: int, kv_heads: int, max_seq_len: int, device: torch.device, block_n: int = 128
+    batch: int,
+    kv_heads: int,
+    max_seq_len: int,
+    device: torch.device,
+    block_n: int = 128,
+    num_warps: int = 4,
 ) -> int:
-    """KV splits per request for :func:`decode` (at least 256 tokens each, at most 128).
+    """KV splits per request for :func:`decode`.
 
-    ``batch * kv_heads * splits`` programs run about 3 at a time per multiprocessor (what the
-    default tiles' registers and shared memory allow), in waves; each split is rounded up to
-    whole ``block_n`` tiles and costs about half a tile more (pipeline fill, partial output).
-    The estimated time, waves x (tokens per split + block_n / 2), is minimized (fewest splits
-    on ties). With at most 16 programs before splitting (one or two requests) the kernel is
-    latency-bound and takes the most splits. Measured on the H200 (run 5, 8 KV heads): B=16 at
-    8k is fastest with 3 splits (one full wave; 2, 5 and 8 were slower), B=1 at 32k with 128
-    splits (66 and 32 were slower).
+    ``batch * kv_heads * splits`` programs run in waves of so many per multiprocessor: 3 for
+    4-warp programs, 12 for 1-warp ones (what their registers and shared memory allow: 146
+    registers x 128 threads, 66.5 KiB; 168 x 32, 17-18 KiB; other warp counts: 12 / warps,
+    an extrapolation). Each split is rounded up to whole
+    ``block_n`` tiles and costs about half a tile more (pipeline fill, partial output). The
+    estimated time, waves x (tokens per split + block_n / 2), is minimized (fewest splits on
+    ties). With at most 16 programs before splitting (one or two requests) the kernel is
+    latency-bound and takes the most splits: at most 128 of at least 256 tokens (4 warps), or
+    256 of at least 128 tokens (1 warp).
+
+    Measured on the H200 (benches/attention): 4 warps, B=16 at 8k: 3 splits (one wave; 2, 5 and
+    8 slower); B=1 at 32k: 128 (66, 32 slower). 1 warp, fp8 with 32-token tiles: B=64/8k 3
+    splits 0.336 ms (4: 0.396 ms, 1.3 waves; 6: 0.337; 12: 0.339), B=16/8k 12 splits 0.097 ms
+    (3: 0.173, 6: 0.123, 24: 0.101); B=1/32k 256 splits of 16-token tiles 35.8 us (128: 37.8).
     """
     programs = max(batch * kv_heads, 1)
     n = max(int(max_seq_len), 1)
-    smax = max(1, min(128, n // 256))
+    one_warp = num_warps == 1
+    smax = max(1, min(256 if one_warp else 128, n // (128 if one_warp else 256)))
     if programs <= 16:
         return smax
-    slots = 3 * _num_sms(torch.device(device))
+    per_sm = max(1, 12 // max(num_warps, 1))
+    slots = per_sm * _num_sms(torch.device(device))
     best, best_cost = 1, None
     for s in range(1, smax + 1):
         chunk = _cdiv(_cdiv(n, s), block_n) * block_n  # tokens per split, whole tiles
@@ -393,14 +406,35 @@ def plan_decode(
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
         asm = use_dot and _asm_default(view, "decode")
+    # Run 6: with 8-bit and 4-bit caches one-warp programs on short tiles beat 4-warp programs
+    # on 128-token tiles (fp8 B=64/8k 0.364 -> 0.336 ms, nvfp4 0.479 -> 0.378, fp4_mx 0.523 ->
+    # 0.437): 12 programs per multiprocessor instead of 3, no barriers between warps in the
+    # softmax, and the same warps per multiprocessor. Heads wider than 128 keep 4-warp tiles.
+    one_warp = (
+        use_dot and asm and not prefetch and _head_factor(view) == 1 and num_warps in (None, 1)
+    )
+    if num_warps is None:
+        num_warps = 1 if one_warp else 4
     if swap is None:
-        swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
+        swap = (
+            use_dot
+            and not prefetch
+            and ablate <= 1
+            and view.dtype in _SWAP_DEFAULT
+        )
     if block_n is None:
-        block_n = max(16, ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view))
+        if one_warp:
+            block_n = 32 if fp8 else 16
+            if fp8 and b * view.num_kv_heads <= 16:
+                block_n = 16  # latency-bound (B=1/32k: 35.8 us vs 37.8 with 32-token tiles)
+        else:
+            block_n = max(
+                16, ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view)
+            )
     if num_stages is None:
         num_stages = 2
     if num_splits is None:
-        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n)
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n, num_warps)
     if num_splits < 1:
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
@@ -424,7 +458,7 @@ def plan_decode(
         num_q_heads=num_q_heads,
         num_splits=num_splits,
         block_n=block_n,
-        num_warps=4 if num_warps is None else num_warps,
+        num_warps=num_warps,
         num_stages=num_stages,
         use_dot=use_dot,
         prefetch=bool(prefetch),
@@ -703,6 +737,9 @@ def decode(
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm),
         SWAP=plan.swap,
+        OFF64=_needs_off64(view.k, view.v, kbs, vbs),
+        KV_SAME=view.k.stride(0) == view.v.stride(0)
+        and _row_stride(kbs, view) == _row_stride(vbs, view),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
@@ -735,6 +772,14 @@ def _scale_args(view: LayerView):
     ksc = view.k_scale if view.k_scale is not None else view.k
     vsc = view.v_scale if view.v_scale is not None else view.v
     return kbs, vbs, ksc, vsc
+
+
+def _needs_off64(*ts: torch.Tensor) -> bool:
+    """Whether a row offset into one of ``ts`` can reach 2^31 (rows x row stride, elements).
+
+    Then the decode kernel computes row offsets in 64-bit, else in 32-bit.
+    """
+    return any(t.shape[0] * max(t.stride(0), 1) >= 2**31 for t in ts)
 
 
 def _row_stride(bs: torch.Tensor, view: LayerView) -> int:
