@@ -756,12 +756,13 @@ def test_default_splits_wave_model(monkeypatch):
         ("fp8_e4m3", 128, 64, (1, 32, True, 4)),
         ("fp8_e5m2", 128, 64, (1, 32, True, 4)),
         ("fp8_e4m3", 128, 1, (1, 16, True, 4)),  # latency-bound: 16-token tiles
-        ("nvfp4", 128, 64, (1, 16, False, 16)),
-        ("fp4_mx_block16", 64, 64, (1, 16, False, 16)),
+        ("nvfp4", 128, 64, (1, 32, False, 16)),
+        ("fp4_mx_block16", 64, 64, (1, 32, False, 16)),
         ("bf16", 128, 64, (4, 64, True, 4)),
         ("fp32", 128, 64, (4, 64, False, 16)),
         ("fp8_e4m3", 256, 64, (4, 64, True, 4)),  # wide heads keep 4-warp tiles
         ("nvfp4", 256, 64, (4, 64, False, 16)),
+        ("nvfp4", 1024, 64, (4, 32, False, 16)),  # FP4 tiles never shorter than 32 tokens
     ],
 )
 def test_plan_decode_defaults(dtype, d, b, expect):
@@ -792,3 +793,33 @@ def test_plan_decode_knobs_and_errors():
     p8.group_pad = 4
     with pytest.raises(ValueError, match="pads the query group to 4 rows, the group is 8"):
         attention.decode(cache.view, q, plan=p8, backend="triton")
+
+
+def test_fp4_tiles_of_16_tokens_refused_on_the_gpu(monkeypatch):
+    """16-token FP4 tiles were miscompiled on the H200 (run 6): refused on CUDA, allowed in the
+    CPU interpreter (where they are exact) and for every other dtype."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gpu_view = SimpleNamespace(dtype="nvfp4", k=SimpleNamespace(is_cuda=True))
+    with pytest.raises(ValueError, match="`block_n` = 16: nvfp4 caches need KV tiles of at least"):
+        attention._check_fp4_tile(gpu_view, 16)
+    attention._check_fp4_tile(gpu_view, 32)
+    attention._check_fp4_tile(SimpleNamespace(dtype="fp8_e4m3", k=gpu_view.k), 16)
+    attention._check_fp4_tile(SimpleNamespace(dtype="nvfp4", k=SimpleNamespace(is_cuda=False)), 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    attention._check_fp4_tile(gpu_view, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp4_mx_block16"])
+def test_fp4_tiles_of_16_tokens_refused_gpu(dtype):
+    cache = Cache(dtype, [5, 40], heads=2, d=64, page=16, device="cuda")
+    pt, sl = cache.page_table, cache.seq_lens
+    with pytest.raises(ValueError, match="`block_n` = 16"):
+        attention.plan_decode(cache.view, 8, pt, sl, block_n=16)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="`block_n` = 16"):
+        attention.plan_extend(cache.view, 8, cu, pt, sl, block_n=16)
+    out, ref = run_decode(cache, 8, backend="triton", device="cuda", plan_kw={"block_n": 32})
+    assert rel_err(out, ref) < TOL[dtype]

@@ -49,14 +49,13 @@ def load_raw(
     FMT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
-    """Stored bytes of one KV head in the rows starting at offset ``row`` (``[BN]``, int32 or
-    int64, masked by ``mask``): ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]``
+    """Stored bytes of one KV head in the rows starting at offset ``row`` (``[BN]`` int64,
+    masked by ``mask``): ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]``
     uint8 for FP4), block scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise).
 
     ``row`` counts the units the load reads: int32 words with ``ASM`` for fp8/FP4 (rows are
     4-byte aligned), else ``ptr``'s elements; ``row_bs`` counts block-scale bytes. Row and column
-    offsets are summed before the one pointer add (32-bit when the caller's offsets are).
-    Masked rows are not read."""
+    offsets are summed before the one pointer add. Masked rows are not read."""
     if FMT == 1 and ASM:  # fp8 bytes as int32 words
         d4 = tl.arange(0, D // 4)
         wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + head * (D // 4)
@@ -84,25 +83,16 @@ def load_raw(
 
 
 @triton.jit
-def row_offsets(
-    page,
-    t,
-    page_shift,
-    s_k,
-    s_kb,
-    s_v,
-    s_vb,
-    OFF64: tl.constexpr,
-    KV_SAME: tl.constexpr,
-):
-    """Row offsets of tokens ``t`` (``[BN]``) whose pages are ``page``: ``(k, k_bs, v, v_bs)``,
-    each ``slot * stride`` (strides in :func:`load_raw`'s units). The slot is int32 (a pool has
-    fewer than 2^31 slots); the products are int32 unless ``OFF64`` (a buffer of 2^31 or more
-    units). ``KV_SAME``: V has K's strides, so its offsets are K's. Doing this in 32-bit halves
-    the address arithmetic per row (sm_90 SASS: 64-bit products cost three multiplies)."""
-    slot = (page << page_shift) + (t & ((1 << page_shift) - 1))
-    if OFF64:
-        slot = slot.to(tl.int64)
+def row_offsets(page, t, page_shift, s_k, s_kb, s_v, s_vb, KV_SAME: tl.constexpr):
+    """Row offsets (int64) of tokens ``t`` (``[BN]``) whose pages are ``page``:
+    ``(k, k_bs, v, v_bs)``, each ``slot * stride`` (strides in :func:`load_raw`'s units).
+    ``KV_SAME``: V has K's strides, so its offsets are K's (fewer registers and instructions).
+
+    Offsets stay 64-bit: a 32-bit variant (run 6 on the H200) cut the fp8 loop by 23%
+    instructions but not its time (the kernel waits on memory, not on issue), made bf16 decode
+    slower (fewer registers, more programs per multiprocessor: 0.50 -> 0.55 ms at B=64/8k), and
+    the fp32 prefetch plan with 128-token tiles read out of bounds with it."""
+    slot = (page.to(tl.int64) << page_shift) + (t & ((1 << page_shift) - 1))
     rk = slot * s_k
     rkb = slot * s_kb
     if KV_SAME:
@@ -379,7 +369,6 @@ def decode_kernel(
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
     SWAP: tl.constexpr = False,
-    OFF64: tl.constexpr = True,
     KV_SAME: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
@@ -391,8 +380,8 @@ def decode_kernel(
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
     ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
-    as the MMA's M side. ``OFF64``, ``KV_SAME``: see :func:`row_offsets` (row strides are in
-    elements, or bytes for fp8/FP4).
+    as the MMA's M side. ``KV_SAME``: see :func:`row_offsets` (row strides are in elements,
+    or bytes for fp8/FP4).
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -451,7 +440,7 @@ def decode_kernel(
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             rk, rkb, rv, rvb = row_offsets(
-                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
             )
             kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
             k = dequant(
@@ -486,7 +475,7 @@ def decode_kernel(
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             rk, rkb, rv, rvb = row_offsets(
-                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
             )
             kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
             vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
@@ -500,7 +489,7 @@ def decode_kernel(
                 tn = t + BLOCK_N
                 tnm = tn < end
                 rkn, rkbn, rvn, rvbn = row_offsets(
-                    page_next, tn, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                    page_next, tn, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
                 )
                 kxn, ksn = load_raw(K, KBS, rkn, rkbn, tnm, hk, D, FMT, ASM)
                 vxn, vsn = load_raw(V, VBS, rvn, rvbn, tnm, hk, DV, FMT, ASM)
@@ -509,7 +498,7 @@ def decode_kernel(
             else:
                 page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
                 rk, rkb, rv, rvb = row_offsets(
-                    page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, OFF64, KV_SAME
+                    page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
                 )
                 kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
             if ABLATE == 3:

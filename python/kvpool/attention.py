@@ -406,10 +406,10 @@ def plan_decode(
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
         asm = use_dot and _asm_default(view, "decode")
-    # Run 6: with 8-bit and 4-bit caches one-warp programs on short tiles beat 4-warp programs
-    # on 128-token tiles (fp8 B=64/8k 0.364 -> 0.336 ms, nvfp4 0.479 -> 0.378, fp4_mx 0.523 ->
-    # 0.437): 12 programs per multiprocessor instead of 3, no barriers between warps in the
-    # softmax, and the same warps per multiprocessor. Heads wider than 128 keep 4-warp tiles.
+    # Run 6 (H200): with 8-bit and 4-bit caches one-warp programs on 32-token tiles beat 4-warp
+    # programs on 128-token tiles (B=64/8k: fp8 0.364 -> 0.336 ms, nvfp4 0.494 -> 0.425, fp4_mx
+    # 0.503 -> 0.464): 12 programs per multiprocessor instead of 3, the same number of warps, and
+    # no barriers between warps in the softmax. Heads wider than 128 keep 4-warp tiles.
     one_warp = (
         use_dot and asm and not prefetch and _head_factor(view) == 1 and num_warps in (None, 1)
     )
@@ -424,12 +424,13 @@ def plan_decode(
         )
     if block_n is None:
         if one_warp:
-            block_n = 32 if fp8 else 16
+            block_n = 32
             if fp8 and b * view.num_kv_heads <= 16:
                 block_n = 16  # latency-bound (B=1/32k: 35.8 us vs 37.8 with 32-token tiles)
         else:
             block_n = max(
-                16, ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view)
+                _min_block_n(view.dtype),
+                ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view),
             )
     if num_stages is None:
         num_stages = 2
@@ -439,6 +440,7 @@ def plan_decode(
         raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
+    _check_fp4_tile(view, block_n)
     if swap and (not use_dot or prefetch or ablate > 1):
         raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
     g = _group(view, num_q_heads)
@@ -501,6 +503,29 @@ class ExtendPlan:
     asm: bool = False
 
 
+def _min_block_n(dtype: str) -> int:
+    return 32 if dtype in ("nvfp4", "fp4_mx_block16") else 16
+
+
+def _check_fp4_tile(view: LayerView, block_n: int) -> None:
+    """Refuse FP4 KV tiles shorter than 32 tokens on the GPU (ValueError).
+
+    16-token FP4 tiles gave wrong decode outputs on the H200 (Triton 3.6; any warp count, with
+    and without the word decode); 32-token and larger tiles are exact (run 6 in
+    benches/attention/results). The CPU interpreter runs them correctly, so it may.
+    """
+    if (
+        view.dtype in ("nvfp4", "fp4_mx_block16")
+        and block_n < 32
+        and view.k.is_cuda
+        and not _interpreting()
+    ):
+        raise ValueError(
+            f"`block_n` = {block_n}: {view.dtype} caches need KV tiles of at least 32 tokens on "
+            "the GPU (16-token FP4 tiles are miscompiled with Triton 3.6 on sm_90)"
+        )
+
+
 def _head_factor(view: LayerView) -> int:
     """How many times wider than 128 the widest head is (a power of two, at least 1).
 
@@ -529,7 +554,7 @@ def _extend_tiles(
     if block_t is None:
         block_t = max(1, rows // gp) if gp <= rows else 1
     if block_n is None:
-        block_n = max(16, (64 if dtype == "fp32" else 128) // head_factor)
+        block_n = max(_min_block_n(dtype), (64 if dtype == "fp32" else 128) // head_factor)
     if num_stages is None:
         num_stages = 3 if dtype in ("bf16", "fp16") and head_factor == 1 else 2
     if num_warps is None:
@@ -562,6 +587,7 @@ def plan_extend(
     block_t, block_n, num_warps, num_stages = _extend_tiles(
         view.dtype, g, block_t, block_n, num_warps, num_stages, _head_factor(view)
     )
+    _check_fp4_tile(view, block_n)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
     cu = cu_seqlens_q.cpu().tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
@@ -737,7 +763,6 @@ def decode(
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm),
         SWAP=plan.swap,
-        OFF64=_needs_off64(view.k, view.v, kbs, vbs),
         KV_SAME=view.k.stride(0) == view.v.stride(0)
         and _row_stride(kbs, view) == _row_stride(vbs, view),
         num_warps=plan.num_warps,
@@ -772,14 +797,6 @@ def _scale_args(view: LayerView):
     ksc = view.k_scale if view.k_scale is not None else view.k
     vsc = view.v_scale if view.v_scale is not None else view.v
     return kbs, vbs, ksc, vsc
-
-
-def _needs_off64(*ts: torch.Tensor) -> bool:
-    """Whether a row offset into one of ``ts`` can reach 2^31 (rows x row stride, elements).
-
-    Then the decode kernel computes row offsets in 64-bit, else in 32-bit.
-    """
-    return any(t.shape[0] * max(t.stride(0), 1) >= 2**31 for t in ts)
 
 
 def _row_stride(bs: torch.Tensor, view: LayerView) -> int:
