@@ -41,63 +41,56 @@ def e2m1_div64_f16(b, BN: tl.constexpr, D: tl.constexpr):
 def load_raw(
     ptr,
     bs_ptr,
-    row,
-    row_bs,
+    slot,
     mask,
     head,
+    stride_row,
+    stride_bs_row,
     D: tl.constexpr,
     FMT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
-    """Stored bytes of one KV head in the rows starting at offset ``row`` (``[BN]`` int64,
-    masked by ``mask``): ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]``
-    uint8 for FP4), block scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise).
-
-    ``row`` counts the units the load reads: int32 words with ``ASM`` for fp8/FP4 (rows are
-    4-byte aligned), else ``ptr``'s elements; ``row_bs`` counts block-scale bytes. Row and column
-    offsets are summed before the one pointer add. Masked rows are not read."""
-    if FMT == 1 and ASM:  # fp8 bytes as int32 words
+    """Stored bytes of rows ``slot`` (int64 ``[BN]``, masked by ``mask``) of one KV head:
+    ``(data, block_scale)``; data ``[BN, D]`` as stored (``[BN, D/2]`` uint8 for FP4), block
+    scales ``[BN, D/16]`` uint8 for FP4 (a placeholder otherwise). Masked rows are not read."""
+    if FMT == 1 and ASM:  # fp8 bytes as int32 words (rows are 4-byte aligned: D % 4 == 0)
         d4 = tl.arange(0, D // 4)
-        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + head * (D // 4)
-        x = tl.load(wp + (row[:, None] + d4[None, :]), mask=mask[:, None], other=0)
+        wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        x = tl.load(
+            wp + slot[:, None] * (stride_row // 4) + head * (D // 4) + d4[None, :],
+            mask=mask[:, None],
+            other=0,
+        )
         return x, mask
     elif FMT < 2:
         d = tl.arange(0, D)
-        x = tl.load(ptr + head * D + (row[:, None] + d[None, :]), mask=mask[:, None], other=0.0)
+        x = tl.load(
+            ptr + slot[:, None] * stride_row + head * D + d[None, :], mask=mask[:, None], other=0.0
+        )
         return x, mask
     else:
-        if ASM:  # the same bytes as int32 words
+        if ASM:  # the same bytes as int32 words (rows are 4-byte aligned: D/2 % 4 == 0)
             d8 = tl.arange(0, D // 8)
-            wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + head * (D // 8)
-            x = tl.load(wp + (row[:, None] + d8[None, :]), mask=mask[:, None], other=0)
+            wp = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            x = tl.load(
+                wp + slot[:, None] * (stride_row // 4) + head * (D // 8) + d8[None, :],
+                mask=mask[:, None],
+                other=0,
+            )
         else:
             d2 = tl.arange(0, D // 2)
             x = tl.load(
-                ptr + head * (D // 2) + (row[:, None] + d2[None, :]), mask=mask[:, None], other=0
+                ptr + slot[:, None] * stride_row + head * (D // 2) + d2[None, :],
+                mask=mask[:, None],
+                other=0,
             )
         j = tl.arange(0, D // 16)
         s = tl.load(
-            bs_ptr + head * (D // 16) + (row_bs[:, None] + j[None, :]), mask=mask[:, None], other=0
+            bs_ptr + slot[:, None] * stride_bs_row + head * (D // 16) + j[None, :],
+            mask=mask[:, None],
+            other=0,
         )
         return x, s
-
-
-@triton.jit
-def row_offsets(page, t, page_shift, s_k, s_kb, s_v, s_vb, KV_SAME: tl.constexpr):
-    """Row offsets (int64) of tokens ``t`` (``[BN]``) whose pages are ``page``:
-    ``(k, k_bs, v, v_bs)``, each ``slot * stride`` (strides in :func:`load_raw`'s units).
-    ``KV_SAME``: V has K's strides, so its offsets are K's (fewer registers and instructions).
-
-    Offsets stay 64-bit: a 32-bit variant (run 6 on the H200) cut the fp8 loop by 23%
-    instructions but not its time (the kernel waits on memory, not on issue), made bf16 decode
-    slower (fewer registers, more programs per multiprocessor: 0.50 -> 0.55 ms at B=64/8k), and
-    the fp32 prefetch plan with 128-token tiles read out of bounds with it."""
-    slot = (page.to(tl.int64) << page_shift) + (t & ((1 << page_shift) - 1))
-    rk = slot * s_k
-    rkb = slot * s_kb
-    if KV_SAME:
-        return rk, rkb, rk, rkb
-    return rk, rkb, slot * s_v, slot * s_vb
 
 
 @triton.jit
@@ -298,13 +291,8 @@ def load_kv_tile(
     CDT: tl.constexpr,
     ASM: tl.constexpr = 0,
 ):
-    """``load_raw`` then ``dequant``: rows ``slot`` (int64 ``[BN]``) of one KV head as
-    ``[BN, D]`` in CDT; ``stride_row`` in elements (bytes for fp8/FP4)."""
-    if ASM and FMT >= 1:
-        row = slot * (stride_row // 4)
-    else:
-        row = slot * stride_row
-    x, s = load_raw(ptr, bs_ptr, row, slot * stride_bs_row, mask, head, D, FMT, ASM)
+    """``load_raw`` then ``dequant``: rows ``slot`` of one KV head as ``[BN, D]`` in CDT."""
+    x, s = load_raw(ptr, bs_ptr, slot, mask, head, stride_row, stride_bs_row, D, FMT, ASM)
     return dequant(x, s, BN, D, FMT, CDT, False, ASM, ptr.dtype.element_ty == tl.float8e5)
 
 
@@ -369,7 +357,6 @@ def decode_kernel(
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
     SWAP: tl.constexpr = False,
-    KV_SAME: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -380,18 +367,12 @@ def decode_kernel(
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
     ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
-    as the MMA's M side. ``KV_SAME``: see :func:`row_offsets` (row strides are in elements,
-    or bytes for fp8/FP4).
+    as the MMA's M side.
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
-    if ASM and FMT >= 1:  # rows are read as int32 words (strides are multiples of 4 bytes)
-        s_k = stride_kr // 4
-        s_v = stride_vr // 4
-    else:
-        s_k = stride_kr
-        s_v = stride_vr
+    page_mask = (1 << page_shift) - 1
 
     seq = tl.load(SEQ + b)
     lo = 0
@@ -439,10 +420,8 @@ def decode_kernel(
             t = s + tl.arange(0, BLOCK_N)
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-            rk, rkb, rv, rvb = row_offsets(
-                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
-            )
-            kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
+            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
             k = dequant(
                 kx, ks, BLOCK_N, D, FMT, CDT, ABLATE == 1, ASM, K.dtype.element_ty == tl.float8e5
             )
@@ -456,7 +435,7 @@ def decode_kernel(
             alpha = tl.exp2(m_i - m_new)
             p_t = tl.exp2(qk_t - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p_t, 0)
-            vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
+            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
             v = dequant(
                 vx, vs, BLOCK_N, DV, FMT, CDT, ABLATE == 1, ASM, V.dtype.element_ty == tl.float8e5
             )
@@ -474,11 +453,9 @@ def decode_kernel(
             t = start + tl.arange(0, BLOCK_N)
             tm = t < end
             page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-            rk, rkb, rv, rvb = row_offsets(
-                page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
-            )
-            kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
-            vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
+            slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+            kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+            vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
             t1 = t + BLOCK_N
             page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
 
@@ -488,19 +465,15 @@ def decode_kernel(
             if PREFETCH:
                 tn = t + BLOCK_N
                 tnm = tn < end
-                rkn, rkbn, rvn, rvbn = row_offsets(
-                    page_next, tn, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
-                )
-                kxn, ksn = load_raw(K, KBS, rkn, rkbn, tnm, hk, D, FMT, ASM)
-                vxn, vsn = load_raw(V, VBS, rvn, rvbn, tnm, hk, DV, FMT, ASM)
+                sn = page_next.to(tl.int64) * (page_mask + 1) + (tn & page_mask)
+                kxn, ksn = load_raw(K, KBS, sn, tnm, hk, stride_kr, stride_kbr, D, FMT, ASM)
+                vxn, vsn = load_raw(V, VBS, sn, tnm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
                 tnn = tn + BLOCK_N
                 page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
             else:
                 page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-                rk, rkb, rv, rvb = row_offsets(
-                    page, t, page_shift, s_k, stride_kbr, s_v, stride_vbr, KV_SAME
-                )
-                kx, ks = load_raw(K, KBS, rk, rkb, tm, hk, D, FMT, ASM)
+                slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+                kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
             if ABLATE == 3:
                 qk = tl.zeros([GP, BLOCK_N], tl.float32) + tl.sum(kx.to(tl.float32), 1)[None, :]
             else:
@@ -531,7 +504,7 @@ def decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if not PREFETCH:
-                vx, vs = load_raw(V, VBS, rv, rvb, tm, hk, DV, FMT, ASM)
+                vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
             if ABLATE == 3:
                 pv = tl.zeros([GP, DV], tl.float32) + tl.sum(tl.sum(vx.to(tl.float32), 1), 0)
             else:

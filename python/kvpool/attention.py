@@ -763,8 +763,6 @@ def decode(
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm),
         SWAP=plan.swap,
-        KV_SAME=view.k.stride(0) == view.v.stride(0)
-        and _row_stride(kbs, view) == _row_stride(vbs, view),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
