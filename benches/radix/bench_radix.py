@@ -85,7 +85,6 @@ def make(impl, pool_tokens, ps):
 def replay(impl, reqs, pool_tokens, ps, timed):
     """One pass over the requests; with `timed`, per-call timers around every cache call."""
     a, c = make(impl, pool_tokens, ps)
-    concat = np.concatenate if impl == "kvpool" else (lambda xs: xs[0] + xs[1])
     clock = time.perf_counter_ns
     t_match, t_insert, t_alloc, t_other = [], [], [], 0
     c0 = time.process_time()
@@ -95,8 +94,7 @@ def replay(impl, reqs, pool_tokens, ps, timed):
             pages, node, _ = c.match_prefix(prompt)
             c.lock(node)
             new = c.alloc(-(-len(full) // ps) - len(pages))
-            aligned = len(full) // ps
-            c.insert(full[: aligned * ps], concat((pages, new))[:aligned])
+            c.insert(full, (pages, new))
             c.unlock(node)
             a.free(new)
     else:
@@ -113,10 +111,8 @@ def replay(impl, reqs, pool_tokens, ps, timed):
             new = c.alloc(-(-len(full) // ps) - len(pages))
             e = clock()
             t_alloc.append(e - s)
-            aligned = len(full) // ps
-            toks, pg = full[: aligned * ps], concat((pages, new))[:aligned]
             s = clock()
-            c.insert(toks, pg)
+            c.insert(full, (pages, new))
             e = clock()
             t_insert.append(e - s)
             s = clock()
