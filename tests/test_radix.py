@@ -237,6 +237,18 @@ def test_insert_takes_pages_in_parts():
         assert c1.total_size == c2.total_size > 0
 
 
+def test_insert_parts_long_parts_read_in_range():
+    """Parts longer than the copy threshold: only the taken range of each is read."""
+    a, c = make(8000, 1)
+    tokens = np.arange(5000, dtype=np.int32)
+    p = c.alloc(5000)
+    assert c.insert(tokens[:2500], p[:2500]) == 0
+    assert c.insert(tokens, (p[:3000], p[3000:4000].astype(np.int64), p[4000:])) == 2500
+    assert c.match_prefix(tokens)[0].tolist() == p.tolist()
+    assert a.ref_counts()[p].tolist() == [2] * 5000
+    c.check_invariants()
+
+
 def test_insert_parts_bad_input_changes_nothing():
     a, c = make(16, 2)
     p = c.alloc(3)
@@ -256,6 +268,10 @@ def test_insert_parts_bad_input_changes_nothing():
         c.insert(t(1, 2, 3, 4, 5, 6), [p[:1], np.array([9, 10], dtype=np.int64)])
     with pytest.raises(InvalidArgumentError, match="`pages` has 0 entries"):
         c.insert(t(1, 2), ())
+    with pytest.raises(ArrayTypeError, match="C-contiguous"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:1], np.repeat(p[1:], 2)[::2]))
+    with pytest.raises(PageError, match="out of range"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:2], np.array([1 << 40], dtype=np.int64)))
     assert repr(state()) == before
     assert c.insert(t(1), ()) == 0, "shorter than a page: no pages needed"
     assert c.insert(t(1, 2, 3, 4, 5, 6, 7), [p[:1], p[1:], p[:0]]) == 0

@@ -665,10 +665,31 @@ impl RadixCache {
         tokens: &[i32],
         parts: &[&[P]],
     ) -> Result<usize, RadixError> {
+        let n_pages = parts.iter().map(|p| p.len()).sum();
+        self.insert_with(alloc, ns, tokens, n_pages, |start, end| {
+            Ok(page_range(parts, start, end))
+        })
+    }
+
+    /// [`insert`](Self::insert) of `n_pages` page ids that are only fetched as needed:
+    /// `taken(start, end)` is called once (after the length check and the read-only walk,
+    /// before any change) for the entries `start..end` of the page list, the pages the tree
+    /// takes. Its error is returned with nothing changed. For callers whose pages are costly
+    /// to read in full (Python arrays in parts).
+    ///
+    /// # Errors
+    /// As [`insert`](Self::insert), and `taken`'s.
+    pub fn insert_with<'p, P: RawPage + 'p, E: From<RadixError>>(
+        &mut self,
+        alloc: &mut PageAllocator,
+        ns: &Namespace,
+        tokens: &[i32],
+        n_pages: usize,
+        taken: impl FnOnce(usize, usize) -> Result<Cow<'p, [P]>, E>,
+    ) -> Result<usize, E> {
         self.check_alloc(alloc)?;
         let ps = self.page_size;
         let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
-        let n_pages: usize = parts.iter().map(|p| p.len()).sum();
         if n_pages != full && n_pages != ceil {
             return Err(RadixError::LengthMismatch {
                 tokens: tokens.len(),
@@ -676,12 +697,14 @@ impl RadixCache {
                 page_size: ps,
                 full,
                 ceil,
-            });
+            }
+            .into());
         }
         let aligned = full * ps;
-        // Read-only walk: whole nodes on the path, then where the walk stops inside an edge.
+        // Read-only walk: whole nodes on the path (down to `last`), then where the walk stops
+        // inside an edge.
         let root = self.roots.get(ns.as_bytes()).copied();
-        let mut path = Vec::new();
+        let mut last = NONE;
         let mut partial = None;
         let mut pos = 0;
         if let Some(root) = root {
@@ -697,24 +720,29 @@ impl RadixCache {
                     partial = Some((child, m));
                     break;
                 }
-                path.push(child);
+                last = child;
                 cur = child;
             }
         }
-        // The pages the tree takes: borrowed when one part holds them all (a serving loop's
-        // new pages), gathered otherwise.
-        let taken = page_range(parts, pos / ps, full);
+        let taken = taken(pos / ps, full)?;
         // Validates the pages the tree takes and takes its reference on them (one pass).
         if pos < aligned {
-            alloc.cache_pages(&taken)?;
+            alloc.cache_pages(&taken).map_err(RadixError::from)?;
         }
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
-        for &id in &path {
+        // The whole nodes walked: `last` and its ancestors below the namespace root.
+        let mut id = last;
+        while id != NONE && Some(id) != root {
             self.touch(id, clock);
+            id = self.node(id).parent;
         }
-        let mut parent = path.last().copied().or(root).unwrap_or(NONE);
+        let mut parent = if last != NONE {
+            last
+        } else {
+            root.unwrap_or(NONE)
+        };
         if let Some((child, m)) = partial {
             parent = self.split(child, m);
             self.touch(parent, clock);

@@ -125,6 +125,72 @@ impl Ints<'_> {
     }
 }
 
+/// One part of a page list given in parts: an int32 array, checked (type, contiguity) but not
+/// read until its entries are needed, or int64 ids narrowed at once.
+pub(crate) enum Part<'py> {
+    Lazy(Bound<'py, PyArray1<i32>>),
+    Owned(Vec<i32>),
+}
+
+impl Part<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Lazy(a) => a.len(),
+            Self::Owned(v) => v.len(),
+        }
+    }
+}
+
+/// `obj` as a [`Part`]: a C-contiguous 1-D int32 array (not read now) or int64 one (narrowed).
+pub(crate) fn page_part<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Part<'py>> {
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        if !a.is_contiguous() {
+            return Err(contiguous(obj.py(), name));
+        }
+        return Ok(Part::Lazy(a.clone()));
+    }
+    Ok(Part::Owned(ints(obj, name)?.pages(name)?.into_owned()))
+}
+
+/// Entries `start..end` (in range) of the concatenation of `parts`, reading only the parts that
+/// hold them (a short whole part is copied in one go, a long one borrowed for the copy).
+pub(crate) fn part_range(
+    parts: &[Part<'_>],
+    start: usize,
+    end: usize,
+    name: &str,
+) -> PyResult<Vec<i32>> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    for part in parts {
+        let n = part.len();
+        let (lo, hi) = (start.max(off) - off, end.min(off + n).saturating_sub(off));
+        off += n;
+        if lo >= hi {
+            continue;
+        }
+        match part {
+            Part::Owned(v) => out.extend_from_slice(&v[lo..hi]),
+            Part::Lazy(a) if n <= COPY_MAX || (lo, hi) == (0, n) => {
+                let all = a.to_vec().map_err(|_| contiguous(a.py(), name))?;
+                if out.is_empty() && (lo, hi) == (0, n) {
+                    out = all;
+                } else {
+                    out.extend_from_slice(&all[lo..hi]);
+                }
+            }
+            Part::Lazy(a) => {
+                let r = a
+                    .try_readonly()
+                    .map_err(|e| array_type_error(a.py(), format!("`{name}`: {e}")))?;
+                let s = r.as_slice().map_err(|_| contiguous(a.py(), name))?;
+                out.extend_from_slice(&s[lo..hi]);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A C-contiguous 2-D int32 array (a page table), as (array, rows, cols).
 pub(crate) fn table<'a, 'py>(
     obj: &'a Bound<'py, PyAny>,

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, PyPageAllocator, Shared};
-use super::array::{count, ints, page_array};
+use super::array::{count, ints, page_array, page_part, part_range, Part};
 use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::AllocError;
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
@@ -94,6 +94,18 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
     }
 }
 
+/// `insert`'s errors: the cache's, or reading a part of the pages.
+enum InsertError {
+    Radix(RadixError),
+    Py(PyErr),
+}
+
+impl From<RadixError> for InsertError {
+    fn from(e: RadixError) -> Self {
+        Self::Radix(e)
+    }
+}
+
 /// Radix prefix cache over a `PageAllocator` (shared with it).
 #[pyclass(name = "RadixCache", module = "kvpool._core", frozen)]
 pub(crate) struct PyRadixCache {
@@ -153,32 +165,44 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
-        // loop holds: the matched pages, then the new ones), never built.
-        let seq = if let Ok(tup) = pages.cast::<PyTuple>() {
-            Some(tup.iter().collect::<Vec<_>>())
+        // loop holds: the matched pages, then the new ones), never built: only the parts that
+        // hold the pages the tree takes are read.
+        let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
+            tup.iter().collect()
         } else if let Ok(list) = pages.cast::<PyList>() {
-            Some(list.iter().collect::<Vec<_>>())
+            list.iter().collect()
         } else {
-            None
+            let p = ints(pages, "pages")?;
+            let (toks, pages) = (t.tokens("tokens")?, p.pages("pages")?);
+            let mut c = guard(&self.cache);
+            return c
+                .insert(&mut guard(&self.alloc), &ns, &toks, &pages)
+                .map_err(to_py);
         };
-        let arrays = match &seq {
-            Some(items) => items
-                .iter()
-                .enumerate()
-                // The error names the part (rare path: the name is only built then).
-                .map(|(i, a)| ints(a, "pages").or_else(|_| ints(a, &format!("pages[{i}]"))))
-                .collect::<PyResult<Vec<_>>>()?,
-            None => vec![ints(pages, "pages")?],
-        };
-        let toks = t.tokens("tokens")?;
-        let parts = arrays
+        let parts = items
             .iter()
-            .map(|a| a.pages("pages"))
+            .enumerate()
+            // The error names the part (rare path: the name is only built then).
+            .map(|(i, a)| page_part(a, "pages").or_else(|_| page_part(a, &format!("pages[{i}]"))))
             .collect::<PyResult<Vec<_>>>()?;
-        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+        let toks = t.tokens("tokens")?;
+        let n_pages = parts.iter().map(Part::len).sum();
         let mut c = guard(&self.cache);
-        c.insert_parts(&mut guard(&self.alloc), &ns, &toks, &parts)
-            .map_err(to_py)
+        c.insert_with(
+            &mut guard(&self.alloc),
+            &ns,
+            &toks,
+            n_pages,
+            |start, end| {
+                part_range(&parts, start, end, "pages")
+                    .map(Cow::<[i32]>::Owned)
+                    .map_err(InsertError::Py)
+            },
+        )
+        .map_err(|e| match e {
+            InsertError::Radix(e) => to_py(e),
+            InsertError::Py(e) => e,
+        })
     }
 
     fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
