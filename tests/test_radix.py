@@ -237,8 +237,8 @@ def test_insert_takes_pages_in_parts():
         assert c1.total_size == c2.total_size > 0
 
 
-def test_insert_parts_long_parts_read_in_range():
-    """Parts longer than the copy threshold: only the taken range of each is read."""
+def test_insert_parts_long_and_int64_parts():
+    """Long parts (borrowed, not copied) and int64 ones; the taken pages span three parts."""
     a, c = make(8000, 1)
     tokens = np.arange(5000, dtype=np.int32)
     p = c.alloc(5000)

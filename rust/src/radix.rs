@@ -666,27 +666,6 @@ impl RadixCache {
         parts: &[&[P]],
     ) -> Result<usize, RadixError> {
         let n_pages = parts.iter().map(|p| p.len()).sum();
-        self.insert_with(alloc, ns, tokens, n_pages, |start, end| {
-            Ok(page_range(parts, start, end))
-        })
-    }
-
-    /// [`insert`](Self::insert) of `n_pages` page ids that are only fetched as needed:
-    /// `taken(start, end)` is called once (after the length check and the read-only walk,
-    /// before any change) for the entries `start..end` of the page list, the pages the tree
-    /// takes. Its error is returned with nothing changed. For callers whose pages are costly
-    /// to read in full (Python arrays in parts).
-    ///
-    /// # Errors
-    /// As [`insert`](Self::insert), and `taken`'s.
-    pub fn insert_with<'p, P: RawPage + 'p, E: From<RadixError>>(
-        &mut self,
-        alloc: &mut PageAllocator,
-        ns: &Namespace,
-        tokens: &[i32],
-        n_pages: usize,
-        taken: impl FnOnce(usize, usize) -> Result<Cow<'p, [P]>, E>,
-    ) -> Result<usize, E> {
         self.check_alloc(alloc)?;
         let ps = self.page_size;
         let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
@@ -697,8 +676,7 @@ impl RadixCache {
                 page_size: ps,
                 full,
                 ceil,
-            }
-            .into());
+            });
         }
         let aligned = full * ps;
         // Read-only walk: whole nodes on the path (down to `last`), then where the walk stops
@@ -724,10 +702,12 @@ impl RadixCache {
                 cur = child;
             }
         }
-        let taken = taken(pos / ps, full)?;
+        // The pages the tree takes: borrowed when one part holds them all (a serving loop's
+        // new pages), gathered otherwise.
+        let taken = page_range(parts, pos / ps, full);
         // Validates the pages the tree takes and takes its reference on them (one pass).
         if pos < aligned {
-            alloc.cache_pages(&taken).map_err(RadixError::from)?;
+            alloc.cache_pages(&taken)?;
         }
         // Validated: from here on nothing fails.
         self.clock += 1;

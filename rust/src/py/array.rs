@@ -1,7 +1,8 @@
 //! numpy in and out for the bookkeeping rooms: 1-D int32/int64 arrays borrowed without copies
 //! (int64 is narrowed once where the core works in int32) or, when short, copied out in one memcpy
-//! (cheaper than registering a numpy borrow, about a thousand instructions); int32 results moved
-//! into numpy.
+//! (cheaper than registering a numpy borrow, about a thousand instructions but only ~70 ns: longer
+//! copies cost more time than they save, with their allocation and the extra pass over the data);
+//! int32 results moved into numpy.
 
 use std::borrow::Cow;
 
@@ -20,8 +21,8 @@ pub(crate) enum Ints<'py> {
     I64(PyReadonlyArray1<'py, i64>),
 }
 
-/// Up to this many elements an int32 array is copied rather than borrowed.
-const COPY_MAX: usize = 2048;
+/// Up to this many elements (1 KiB) an int32 array is copied rather than borrowed.
+const COPY_MAX: usize = 256;
 
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     match (obj.getattr("dtype"), obj.getattr("ndim")) {
@@ -123,72 +124,6 @@ impl Ints<'_> {
             }
         }
     }
-}
-
-/// One part of a page list given in parts: an int32 array, checked (type, contiguity) but not
-/// read until its entries are needed, or int64 ids narrowed at once.
-pub(crate) enum Part<'py> {
-    Lazy(Bound<'py, PyArray1<i32>>),
-    Owned(Vec<i32>),
-}
-
-impl Part<'_> {
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Self::Lazy(a) => a.len(),
-            Self::Owned(v) => v.len(),
-        }
-    }
-}
-
-/// `obj` as a [`Part`]: a C-contiguous 1-D int32 array (not read now) or int64 one (narrowed).
-pub(crate) fn page_part<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Part<'py>> {
-    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
-        if !a.is_contiguous() {
-            return Err(contiguous(obj.py(), name));
-        }
-        return Ok(Part::Lazy(a.clone()));
-    }
-    Ok(Part::Owned(ints(obj, name)?.pages(name)?.into_owned()))
-}
-
-/// Entries `start..end` (in range) of the concatenation of `parts`, reading only the parts that
-/// hold them (a short whole part is copied in one go, a long one borrowed for the copy).
-pub(crate) fn part_range(
-    parts: &[Part<'_>],
-    start: usize,
-    end: usize,
-    name: &str,
-) -> PyResult<Vec<i32>> {
-    let mut out = Vec::new();
-    let mut off = 0;
-    for part in parts {
-        let n = part.len();
-        let (lo, hi) = (start.max(off) - off, end.min(off + n).saturating_sub(off));
-        off += n;
-        if lo >= hi {
-            continue;
-        }
-        match part {
-            Part::Owned(v) => out.extend_from_slice(&v[lo..hi]),
-            Part::Lazy(a) if n <= COPY_MAX || (lo, hi) == (0, n) => {
-                let all = a.to_vec().map_err(|_| contiguous(a.py(), name))?;
-                if out.is_empty() && (lo, hi) == (0, n) {
-                    out = all;
-                } else {
-                    out.extend_from_slice(&all[lo..hi]);
-                }
-            }
-            Part::Lazy(a) => {
-                let r = a
-                    .try_readonly()
-                    .map_err(|e| array_type_error(a.py(), format!("`{name}`: {e}")))?;
-                let s = r.as_slice().map_err(|_| contiguous(a.py(), name))?;
-                out.extend_from_slice(&s[lo..hi]);
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// A C-contiguous 2-D int32 array (a page table), as (array, rows, cols).

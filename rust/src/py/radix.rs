@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, PyPageAllocator, Shared};
-use super::array::{count, ints, page_array, page_part, part_range, Part};
+use super::array::{count, ints, page_array};
 use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::AllocError;
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
@@ -94,18 +94,6 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
     }
 }
 
-/// `insert`'s errors: the cache's, or reading a part of the pages.
-enum InsertError {
-    Radix(RadixError),
-    Py(PyErr),
-}
-
-impl From<RadixError> for InsertError {
-    fn from(e: RadixError) -> Self {
-        Self::Radix(e)
-    }
-}
-
 /// Radix prefix cache over a `PageAllocator` (shared with it).
 #[pyclass(name = "RadixCache", module = "kvpool._core", frozen)]
 pub(crate) struct PyRadixCache {
@@ -165,8 +153,7 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
-        // loop holds: the matched pages, then the new ones), never built: only the parts that
-        // hold the pages the tree takes are read.
+        // loop holds: the matched pages, then the new ones), never built.
         let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
             tup.iter().collect()
         } else if let Ok(list) = pages.cast::<PyList>() {
@@ -179,30 +166,21 @@ impl PyRadixCache {
                 .insert(&mut guard(&self.alloc), &ns, &toks, &pages)
                 .map_err(to_py);
         };
-        let parts = items
+        let arrays = items
             .iter()
             .enumerate()
             // The error names the part (rare path: the name is only built then).
-            .map(|(i, a)| page_part(a, "pages").or_else(|_| page_part(a, &format!("pages[{i}]"))))
+            .map(|(i, a)| ints(a, "pages").or_else(|_| ints(a, &format!("pages[{i}]"))))
             .collect::<PyResult<Vec<_>>>()?;
         let toks = t.tokens("tokens")?;
-        let n_pages = parts.iter().map(Part::len).sum();
+        let parts = arrays
+            .iter()
+            .map(|a| a.pages("pages"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
         let mut c = guard(&self.cache);
-        c.insert_with(
-            &mut guard(&self.alloc),
-            &ns,
-            &toks,
-            n_pages,
-            |start, end| {
-                part_range(&parts, start, end, "pages")
-                    .map(Cow::<[i32]>::Owned)
-                    .map_err(InsertError::Py)
-            },
-        )
-        .map_err(|e| match e {
-            InsertError::Radix(e) => to_py(e),
-            InsertError::Py(e) => e,
-        })
+        c.insert_parts(&mut guard(&self.alloc), &ns, &toks, &parts)
+            .map_err(to_py)
     }
 
     fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
