@@ -8,6 +8,15 @@ Workloads (seeded, generated before timing):
 Per request: match_prefix(prompt), lock, cache.alloc(pages for the rest), insert the whole
 page-aligned sequence, unlock, free the request's own pages. Page sizes 1 and 16.
 
+Harness choices (the same for kvpool and the pure-Python tree; none is the cache's work):
+- One token buffer per request: the prompt is a view of the start of the full sequence, as a
+  server holds a request's tokens (until 2026-11-29 the prompt was a separate copy, so the
+  requests' 85 MB of tokens were read from memory twice, cold, once by match and once by insert).
+- insert receives the whole sequence and its pages as the parts the loop holds,
+  `insert(full, (matched_pages, new_pages))`: the cache caches the page-aligned part (a partial
+  last page is never cached) and takes only the pages it stores. Until 2026-11-29 the loop built
+  `np.concatenate((matched, new))[:aligned]` and sliced the tokens to the aligned length first.
+
 Every (workload, page size, implementation) runs in its own subprocess so peak RSS is its own.
 Usage: python benches/radix/bench_radix.py [--out benches/radix/results] [--quick]
 """
@@ -39,8 +48,9 @@ def system_prompts(seed=0, n_requests=4000):
     for _ in range(n_requests):
         s = prompts[rng.integers(32)]
         user = rng.integers(0, VOCAB, int(rng.integers(64, 1025)), dtype=np.int32)
-        prompt = np.concatenate([s, user])
-        reqs.append((prompt, np.concatenate([prompt, rng.integers(0, VOCAB, 128, dtype=np.int32)])))
+        # One token buffer per request, the prompt a view of its start (see the module docstring).
+        full = np.concatenate([s, user, rng.integers(0, VOCAB, 128, dtype=np.int32)])
+        reqs.append((full[: len(s) + len(user)], full))
     return reqs, 400_000
 
 
@@ -53,9 +63,9 @@ def conversations(seed=1, n_convs=500, turns=8, active_n=64):
     reqs = []
     while active:
         for c in [active[i] for i in rng.permutation(len(active))]:
-            prompt = np.concatenate([history[c], rng.integers(0, VOCAB, 200, dtype=np.int32)])
-            full = np.concatenate([prompt, rng.integers(0, VOCAB, 200, dtype=np.int32)])
-            reqs.append((prompt, full))
+            user = rng.integers(0, VOCAB, 200, dtype=np.int32)
+            full = np.concatenate([history[c], user, rng.integers(0, VOCAB, 200, dtype=np.int32)])
+            reqs.append((full[: len(history[c]) + 200], full))
             history[c] = full
             done[c] += 1
             if done[c] == turns:

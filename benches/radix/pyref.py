@@ -112,7 +112,7 @@ class PyRadixCache:
 
     def insert(self, tokens, pages):
         if isinstance(pages, tuple):  # parts of the page list, as kvpool accepts them
-            pages = [p for part in pages for p in part]
+            pages = list(itertools.chain(*pages))
         key = tokens.tolist()
         ps = self.page_size
         aligned = len(key) // ps * ps
