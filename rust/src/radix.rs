@@ -233,10 +233,14 @@ impl Node {
 }
 
 /// Children of a node, found by the first token of their key; the first page decides equality
-/// (with page_size > 1, two children may share a first token). Hashing one token keeps lookups
-/// cheap for any page size, with std's DoS-resistant hasher.
+/// (with page_size > 1, two children may share a first token). An only child is kept inline (a
+/// chain of turns, a path below a split: no hashing, no table); from two children on, hashing one
+/// token keeps lookups cheap for any page size, with std's DoS-resistant hasher.
 #[derive(Debug, Default)]
 struct Children {
+    /// The child while there is exactly one (then `map` is empty).
+    solo: Option<(i32, u32)>,
+    /// All children while there are two or more.
     map: HashMap<i32, Kids>,
     len: usize,
 }
@@ -255,6 +259,16 @@ impl Children {
         self.len == 0
     }
     fn candidates(&self, first: i32) -> &[u32] {
+        if let Some((f, id)) = &self.solo {
+            return if *f == first {
+                std::slice::from_ref(id)
+            } else {
+                &[]
+            };
+        }
+        if self.len == 0 {
+            return &[];
+        }
         match self.map.get(&first) {
             Some(Kids::One(id)) => std::slice::from_ref(id),
             Some(Kids::Many(v)) => v,
@@ -262,19 +276,40 @@ impl Children {
         }
     }
     fn entries(&self) -> impl Iterator<Item = (i32, u32)> + '_ {
-        self.map.iter().flat_map(|(&f, k)| {
-            let ids: &[u32] = match k {
-                Kids::One(id) => std::slice::from_ref(id),
-                Kids::Many(v) => v,
-            };
-            ids.iter().map(move |&id| (f, id))
-        })
+        self.solo
+            .into_iter()
+            .chain(self.map.iter().flat_map(|(&f, k)| {
+                let ids: &[u32] = match k {
+                    Kids::One(id) => std::slice::from_ref(id),
+                    Kids::Many(v) => v,
+                };
+                ids.iter().map(move |&id| (f, id))
+            }))
     }
     fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.entries().map(|(_, id)| id)
     }
+    /// Whether the representation is the one its count calls for.
+    fn well_formed(&self) -> bool {
+        match self.len {
+            0 => self.solo.is_none() && self.map.is_empty(),
+            1 => self.solo.is_some() && self.map.is_empty(),
+            _ => self.solo.is_none(),
+        }
+    }
     fn insert(&mut self, first: i32, id: u32) {
+        if self.len == 0 {
+            self.solo = Some((first, id));
+            self.len = 1;
+            return;
+        }
+        if let Some((f, only)) = self.solo.take() {
+            self.map_insert(f, only);
+        }
+        self.map_insert(first, id);
         self.len += 1;
+    }
+    fn map_insert(&mut self, first: i32, id: u32) {
         match self.map.get_mut(&first) {
             None => {
                 self.map.insert(first, Kids::One(id));
@@ -288,6 +323,13 @@ impl Children {
         }
     }
     fn remove(&mut self, first: i32, id: u32) {
+        if self.solo.is_some() {
+            if self.solo == Some((first, id)) {
+                self.solo = None;
+                self.len = 0;
+            }
+            return;
+        }
         let Some(k) = self.map.get_mut(&first) else {
             return;
         };
@@ -307,8 +349,20 @@ impl Children {
             }
             Kids::One(_) => {}
         }
+        if self.len == 1 {
+            // Back to one child: inline again (the table keeps its memory for a next sibling).
+            let only = self.entries().next();
+            self.map.clear();
+            self.solo = only;
+        }
     }
     fn replace(&mut self, first: i32, old: u32, new: u32) {
+        if let Some((f, id)) = &mut self.solo {
+            if *f == first && *id == old {
+                *id = new;
+            }
+            return;
+        }
         match self.map.get_mut(&first) {
             Some(Kids::One(x)) if *x == old => *x = new,
             Some(Kids::Many(v)) => v.iter_mut().filter(|x| **x == old).for_each(|x| *x = new),
@@ -1030,8 +1084,8 @@ impl RadixCache {
                     n.lock, n.own_locks
                 ));
             }
-            if n.children.ids().count() != n.children.len() {
-                return bad(format!("node {id}: child count wrong"));
+            if n.children.ids().count() != n.children.len() || !n.children.well_formed() {
+                return bad(format!("node {id}: child count or representation wrong"));
             }
             for (first, c) in n.children.entries() {
                 let cn = self.node(c);
@@ -1466,6 +1520,30 @@ mod tests {
         a.free(&rest).unwrap();
         assert_eq!(a.num_free(), 8);
         c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn children_inline_one_then_table() {
+        let mut c = Children::default();
+        assert!(c.candidates(5).is_empty() && c.well_formed());
+        c.insert(5, 10);
+        assert!(c.solo == Some((5, 10)) && c.well_formed());
+        assert_eq!((c.candidates(5), c.candidates(6)), (&[10][..], &[][..]));
+        c.replace(5, 10, 11);
+        assert_eq!(c.candidates(5), &[11]);
+        c.insert(5, 12); // same first token (page_size > 1)
+        c.insert(7, 13);
+        assert!(c.solo.is_none() && c.well_formed() && c.len() == 3);
+        assert_eq!(c.candidates(5), &[11, 12]);
+        c.remove(5, 11);
+        c.remove(5, 99); // not a child: nothing
+        assert_eq!(c.len(), 2);
+        c.remove(7, 13);
+        assert!(c.solo == Some((5, 12)) && c.well_formed());
+        assert_eq!(c.ids().collect::<Vec<_>>(), vec![12]);
+        c.remove(7, 12); // wrong first token: nothing
+        c.remove(5, 12);
+        assert!(c.is_empty() && c.well_formed() && c.candidates(5).is_empty());
     }
 
     #[test]
