@@ -254,7 +254,8 @@ class CacheMachine(RuleBasedStateMachine):
         k = self.longest(ns, tokens)
         assert self.c.insert(tokens, arg, namespace=NAMESPACES[ns]) == k * ps
         if isinstance(arg, (tuple, list)):
-            arg = np.concatenate([np.asarray(x, dtype=np.int64) for x in arg] or [np.zeros(0, np.int64)])
+            parts = [np.asarray(x, dtype=np.int64) for x in arg]
+            arg = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self.clock += 1
         self.touch(ns, tokens, k)
         for j in range(k + 1, len(tokens) // ps + 1):
@@ -319,7 +320,7 @@ class CacheMachine(RuleBasedStateMachine):
                 arg[j] = self.entries[self.key(ns, tokens, j + 1)].page
         cuts = sorted(data.draw(st.lists(st.integers(0, len(arg)), max_size=3)))
         if cuts:  # the same pages in parts, cut anywhere (empty parts too)
-            arg = [arg[i:j] for i, j in zip([0, *cuts], [*cuts, len(arg)])]
+            arg = [arg[i:j] for i, j in zip([0, *cuts], [*cuts, len(arg)], strict=True)]
         self.do_insert(ns, tokens, arg)
         if not keep:
             self.release(pages)

@@ -40,7 +40,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("old", nargs="?")
     ap.add_argument("new", nargs="?")
-    ap.add_argument("--config", action="append", default=[], metavar="NAME=KVPOOL_DIR[:BENCH_DIR]")
+    ap.add_argument("--config", action="append", default=[],
+                    metavar="NAME=KVPOOL_DIR[:BENCH_DIR]")
     ap.add_argument("--cells", default="system_prompts:1,conversations:1,system_prompts:16,conversations:16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=7)
@@ -67,8 +68,9 @@ def main():
             for b in (names if r % 2 == 0 else names[::-1]):
                 kv, bench = configs[b]
                 env = dict(os.environ, PYTHONPATH=kv)
-                out = subprocess.run([sys.executable, "-c", CODE, w, ps, str(args.repeats), bench, key], env=env,
-                                     capture_output=True, text=True, check=True).stdout
+                cmd = [sys.executable, "-c", CODE, w, ps, str(args.repeats), bench, key]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                     check=True).stdout
                 best[(b, c)].append(min(json.loads(out)))
         load.append(os.getloadavg()[0])
     rows = []
@@ -78,7 +80,7 @@ def main():
         line = f"{c:18s}"
         for b in names:
             v = best[(b, c)]
-            ratio = statistics.median([y / x for x, y in zip(base, v)])
+            ratio = statistics.median([y / x for x, y in zip(base, v, strict=True)])
             row[b] = {"best_per_round": v, "min": min(v), "median": statistics.median(v),
                       f"over_{names[0]}_median_ratio": ratio}
             line += f"  {b}: min {min(v):.4f} med {statistics.median(v):.4f}"
@@ -86,10 +88,12 @@ def main():
                 line += f" ({ratio:.3f}x {names[0]})"
         rows.append(row)
         print(line)
-    print("load averages (1 min) at the start and after each round:", " ".join(f"{x:.1f}" for x in load))
+    print("load averages (1 min) at the start and after each round:",
+          " ".join(f"{x:.1f}" for x in load))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"configs": {b: {"kvpool": kv, "bench": bench} for b, (kv, bench) in configs.items()},
+            cfg = {b: {"kvpool": kv, "bench": bench} for b, (kv, bench) in configs.items()}
+            json.dump({"configs": cfg,
                        "rounds": args.rounds, "repeats": args.repeats, "metric": key,
                        "loadavg_1min": load, "cells": rows}, f, indent=1)
 

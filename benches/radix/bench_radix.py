@@ -280,14 +280,20 @@ def spread(paths):
     runs = [json.load(open(p)) for p in paths]
     lines = ["", f"Spread over {len(runs)} full runs of this code (load averages at their starts: "
              + ", ".join(f"{r['machine']['loadavg_start'][0]:.1f}" for r in runs) + "):", "",
-             "| workload | page | kvpool loop s (best of each run) | vs SGLang's 1.06 s | pure-Python loop s |",
-             "| --- | --- | --- | --- | --- |"]
+             "| workload | page | kvpool loop s (best of each run) | vs SGLang's 1.06 s | median of the runs' bests [medians] s "
+             "| vs SGLang's 1.06 s | pure-Python loop s (median) | pure-Python / kvpool (median of runs) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     keys = [(r["workload"], r["page_size"]) for r in runs[0]["results"] if r["impl"] == "kvpool"]
     for w, ps in keys:
-        k = [x["loop_s_best"] for r in runs for x in r["results"] if (x["workload"], x["page_size"], x["impl"]) == (w, ps, "kvpool")]
-        py = [x["loop_s_best"] for r in runs for x in r["results"] if (x["workload"], x["page_size"], x["impl"]) == (w, ps, "pyref")]
+        def get(impl, key, w=w, ps=ps):
+            return [x[key] for r in runs for x in r["results"] if (x["workload"], x["page_size"], x["impl"]) == (w, ps, impl)]
+
+        k, km, py = get("kvpool", "loop_s_best"), get("kvpool", "loop_s_median"), get("pyref", "loop_s_best")
+        mk, mm = float(np.median(k)), float(np.median(km))
+        ratio = float(np.median([p / q for p, q in zip(py, k)])) if len(py) == len(k) else float("nan")
         lines.append(f"| {w} | {ps} | {min(k):.4f} - {max(k):.4f} | {SGLANG_LOOP_S[0] / max(k):.1f}x - {SGLANG_LOOP_S[0] / min(k):.1f}x "
-                     f"| {min(py):.2f} - {max(py):.2f} |")
+                     f"| {mk:.4f} [{mm:.4f}] | {SGLANG_LOOP_S[0] / mk:.1f}x [{SGLANG_LOOP_S[0] / mm:.1f}x] "
+                     f"| {min(py):.2f} - {max(py):.2f} ({float(np.median(py)):.2f}) | {ratio:.1f}x |")
     return "\n".join(lines) + "\n"
 
 
