@@ -199,6 +199,86 @@ def test_insert_bad_input_changes_nothing():
     c.check_invariants()
 
 
+def test_insert_takes_pages_in_parts():
+    """`pages` as a tuple or list of arrays means their concatenation: the same tree, the same
+    references and the same return value as inserting the concatenated array, split anywhere
+    (inside the cached part, at its end, inside the new part, with empty parts)."""
+    rng = np.random.default_rng(3)
+    for ps in (1, 4):
+        cut_rng = np.random.default_rng(ps)
+        (a1, c1), (a2, c2) = make(48, ps), make(48, ps)
+        for step in range(60):
+            prefix = [0, 1, 2, 3, 4, 5, 6, 7][: int(rng.integers(0, 9))]
+            tail = rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+            tokens = np.array(prefix + tail, dtype=np.int32)
+            got = {}
+            for a, c, parts in ((a1, c1, False), (a2, c2, True)):
+                pages, node, _ = c.match_prefix(tokens)
+                c.lock(node)
+                new = c.alloc(-(-len(tokens) // ps) - len(pages))
+                whole = np.concatenate([pages, new])
+                if parts:
+                    cuts = sorted(cut_rng.integers(0, len(whole) + 1, 2).tolist())
+                    middle = whole[cuts[0] : cuts[1]].astype(np.int64)
+                    pieces = [whole[: cuts[0]], middle, whole[cuts[1] :]]
+                    arg = tuple(pieces) if step % 2 else list(pieces)
+                    if step % 3 == 0:
+                        arg = (pages, new)  # what a serving loop holds
+                else:
+                    arg = whole
+                got[parts] = c.insert(tokens, arg)
+                c.unlock(node)
+                a.free(new)
+                c.check_invariants()
+            assert got[True] == got[False], step
+            assert a1.ref_counts().tolist() == a2.ref_counts().tolist()
+            paths = [sorted((x.tolist(), y.tolist()) for x, y in c.leaf_paths()) for c in (c1, c2)]
+            assert paths[0] == paths[1]
+        assert c1.total_size == c2.total_size > 0
+
+
+def test_insert_parts_long_and_int64_parts():
+    """Long parts (borrowed, not copied) and int64 ones; the taken pages span three parts."""
+    a, c = make(8000, 1)
+    tokens = np.arange(5000, dtype=np.int32)
+    p = c.alloc(5000)
+    assert c.insert(tokens[:2500], p[:2500]) == 0
+    assert c.insert(tokens, (p[:3000], p[3000:4000].astype(np.int64), p[4000:])) == 2500
+    assert c.match_prefix(tokens)[0].tolist() == p.tolist()
+    assert a.ref_counts()[p].tolist() == [2] * 5000
+    c.check_invariants()
+
+
+def test_insert_parts_bad_input_changes_nothing():
+    a, c = make(16, 2)
+    p = c.alloc(3)
+    state = lambda: (c.total_size, a.ref_counts().tolist(), c.leaf_paths())  # noqa: E731
+    before = repr(state())
+    with pytest.raises(InvalidArgumentError, match="`pages` has 4 entries, but 6 tokens"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p, p[:1]))
+    with pytest.raises(ArrayTypeError, match=r"`pages\[1\]`"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:2], [3]))
+    with pytest.raises(ArrayTypeError, match=r"`pages\[0\]`"):
+        c.insert(t(1, 2), [p[:1].astype(np.float64)])
+    with pytest.raises(ArrayTypeError, match="`pages`"):
+        c.insert(t(1, 2), 5)
+    with pytest.raises(PageError, match="more than once"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:2], p[1:2]))
+    with pytest.raises(PageError, match="not allocated"):
+        c.insert(t(1, 2, 3, 4, 5, 6), [p[:1], np.array([9, 10], dtype=np.int64)])
+    with pytest.raises(InvalidArgumentError, match="`pages` has 0 entries"):
+        c.insert(t(1, 2), ())
+    with pytest.raises(ArrayTypeError, match="C-contiguous"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:1], np.repeat(p[1:], 2)[::2]))
+    with pytest.raises(PageError, match="out of range"):
+        c.insert(t(1, 2, 3, 4, 5, 6), (p[:2], np.array([1 << 40], dtype=np.int64)))
+    assert repr(state()) == before
+    assert c.insert(t(1), ()) == 0, "shorter than a page: no pages needed"
+    assert c.insert(t(1, 2, 3, 4, 5, 6, 7), [p[:1], p[1:], p[:0]]) == 0
+    assert c.total_size == 6 and a.ref_counts()[p].tolist() == [2, 2, 2]
+    c.check_invariants()
+
+
 def test_stale_handles_raise():
     a, c = make(16, 1)
     put(c, [1, 2])

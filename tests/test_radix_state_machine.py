@@ -249,9 +249,13 @@ class CacheMachine(RuleBasedStateMachine):
         return handle, pages
 
     def do_insert(self, ns, tokens, arg):
+        """`arg`: the pages, or a tuple / list of parts that stands for their concatenation."""
         ps = self.PAGE_SIZE
         k = self.longest(ns, tokens)
         assert self.c.insert(tokens, arg, namespace=NAMESPACES[ns]) == k * ps
+        if isinstance(arg, (tuple, list)):
+            parts = [np.asarray(x, dtype=np.int64) for x in arg]
+            arg = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         self.clock += 1
         self.touch(ns, tokens, k)
         for j in range(k + 1, len(tokens) // ps + 1):
@@ -271,10 +275,11 @@ class CacheMachine(RuleBasedStateMachine):
         if and_lock:  # a request keeps its prefix pinned
             self.do_lock(handle)
 
-    @rule(ns=st.integers(0, len(NAMESPACES) - 1), data=st.data())
-    def serve(self, ns, data):
+    @rule(ns=st.integers(0, len(NAMESPACES) - 1), parts=st.booleans(), data=st.data())
+    def serve(self, ns, parts, data):
         """One request as a serving loop runs it: match, lock, cache.alloc the rest, insert the
-        whole sequence, unlock, release the request's own pages."""
+        whole sequence (its pages concatenated, or as the parts (matched, new)), unlock, release
+        the request's own pages."""
         tokens = self.draw_tokens(data)
         handle, matched = self.do_match(ns, tokens)
         self.do_lock(handle)
@@ -283,7 +288,7 @@ class CacheMachine(RuleBasedStateMachine):
             new = self.c.alloc(need)
             self.sync_evictions()
             self.take(new)
-            self.do_insert(ns, tokens, np.concatenate([matched, new]))
+            self.do_insert(ns, tokens, (matched, new) if parts else np.concatenate([matched, new]))
             self.release(new)
         else:
             with pytest.raises(OutOfPagesError):
@@ -313,6 +318,9 @@ class CacheMachine(RuleBasedStateMachine):
         if reuse:  # hand the cached pages back for the present part, as a request that matched
             for j in range(self.longest(ns, tokens)):
                 arg[j] = self.entries[self.key(ns, tokens, j + 1)].page
+        cuts = sorted(data.draw(st.lists(st.integers(0, len(arg)), max_size=3)))
+        if cuts:  # the same pages in parts, cut anywhere (empty parts too)
+            arg = [arg[i:j] for i, j in zip([0, *cuts], [*cuts, len(arg)], strict=True)]
         self.do_insert(ns, tokens, arg)
         if not keep:
             self.release(pages)
@@ -340,6 +348,9 @@ class CacheMachine(RuleBasedStateMachine):
             return
         arg = np.array(base, dtype=np.int32)
         arg[full - 1] = bad
+        cut = data.draw(st.integers(-1, full))
+        if cut >= 0:  # in two parts
+            arg = (arg[:cut], arg[cut:])
         before = (self.c.total_size, self.a.ref_counts().tolist())
         with pytest.raises(PageError):
             self.c.insert(tokens, arg, namespace=NAMESPACES[ns])

@@ -1,16 +1,20 @@
-"""A/B of two kvpool builds on the replay loop, alternating, so both see the same machine load.
+"""A/B of kvpool builds (and bench harnesses) on the replay loop, alternating, so all see the same
+machine load.
 
-Each round runs, for every cell (workload:page_size), one subprocess per build (order flipped every
-round) that replays the pre-generated requests `--repeats` times and reports its best loop time.
-On a shared machine the load drifts within minutes; alternating keeps the comparison fair, and the
-per-round ratio new/old is reported besides the minima and medians.
+Each round runs, for every cell (workload:page_size), one subprocess per configuration (order
+reversed every other round) that generates the requests, replays them `--repeats` times and
+reports its best loop time. On a shared machine the load drifts within minutes; alternating keeps
+the comparison fair. Reported per configuration and cell: the per-round bests, their minimum and
+median, and the median over rounds of the ratio to the first configuration.
 
 Usage: python benches/radix/ab_builds.py OLD_DIR NEW_DIR [--cells system_prompts:1,...]
        [--rounds 5] [--repeats 7] [--cpu] [--out FILE.json]
+   or: python benches/radix/ab_builds.py --config NAME=KVPOOL_DIR[:BENCH_DIR] --config ... [...]
+KVPOOL_DIR holds a `kvpool` package (e.g. a copy of python/kvpool with its built _core.abi3.so);
+BENCH_DIR holds the bench_radix.py (and pyref.py) to replay with, default this directory (a
+harness of another commit: `git show REV:benches/radix/bench_radix.py > DIR/bench_radix.py`).
 --cpu compares process CPU time of the loop instead of wall time (less sensitive to being
 descheduled, not to sharing caches and memory bandwidth).
-OLD_DIR / NEW_DIR are directories holding a `kvpool` package (e.g. a copy of python/kvpool with
-its built _core.abi3.so).
 """
 
 import argparse
@@ -34,42 +38,63 @@ print(json.dumps([b.replay("kvpool", reqs, pool, ps, timed=False)[key] for _ in 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("old")
-    ap.add_argument("new")
+    ap.add_argument("old", nargs="?")
+    ap.add_argument("new", nargs="?")
+    ap.add_argument("--config", action="append", default=[],
+                    metavar="NAME=KVPOOL_DIR[:BENCH_DIR]")
     ap.add_argument("--cells", default="system_prompts:1,conversations:1,system_prompts:16,conversations:16")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--cpu", action="store_true", help="process CPU time instead of wall time")
     ap.add_argument("--out")
     args = ap.parse_args()
-    builds = {"old": args.old, "new": args.new}
+    configs = {}
+    if args.old and args.new:
+        configs = {"old": (args.old, HERE), "new": (args.new, HERE)}
+    for c in args.config:
+        name, spec = c.split("=", 1)
+        kv, _, bench = spec.partition(":")
+        configs[name] = (kv, bench or HERE)
+    if len(configs) < 2:
+        ap.error("give OLD_DIR NEW_DIR or at least two --config")
+    names = list(configs)
     cells = args.cells.split(",")
-    best = {(b, c): [] for b in builds for c in cells}
+    best = {(b, c): [] for b in names for c in cells}
     load = [os.getloadavg()[0]]
+    key = "loop_cpu_s" if args.cpu else "loop_s"
     for r in range(args.rounds):
         for c in cells:
             w, ps = c.split(":")
-            for b in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
-                env = dict(os.environ, PYTHONPATH=builds[b])
-                key = "loop_cpu_s" if args.cpu else "loop_s"
-                out = subprocess.run([sys.executable, "-c", CODE, w, ps, str(args.repeats), HERE, key], env=env,
-                                     capture_output=True, text=True, check=True).stdout
+            for b in (names if r % 2 == 0 else names[::-1]):
+                kv, bench = configs[b]
+                env = dict(os.environ, PYTHONPATH=kv)
+                cmd = [sys.executable, "-c", CODE, w, ps, str(args.repeats), bench, key]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                     check=True).stdout
                 best[(b, c)].append(min(json.loads(out)))
         load.append(os.getloadavg()[0])
     rows = []
     for c in cells:
-        o, n = best[("old", c)], best[("new", c)]
-        ratios = [y / x for x, y in zip(o, n)]
-        rows.append({"cell": c, "old_best_per_round": o, "new_best_per_round": n,
-                     "old_min": min(o), "new_min": min(n), "old_median": statistics.median(o),
-                     "new_median": statistics.median(n), "new_over_old_median_ratio": statistics.median(ratios)})
-        print(f"{c:18s} old min {min(o):.4f} med {statistics.median(o):.4f}   new min {min(n):.4f} "
-              f"med {statistics.median(n):.4f}   new/old (median of rounds) {statistics.median(ratios):.3f}")
-    print("load averages (1 min) at the start and after each round:", " ".join(f"{x:.1f}" for x in load))
+        base = best[(names[0], c)]
+        row = {"cell": c}
+        line = f"{c:18s}"
+        for b in names:
+            v = best[(b, c)]
+            ratio = statistics.median([y / x for x, y in zip(base, v, strict=True)])
+            row[b] = {"best_per_round": v, "min": min(v), "median": statistics.median(v),
+                      f"over_{names[0]}_median_ratio": ratio}
+            line += f"  {b}: min {min(v):.4f} med {statistics.median(v):.4f}"
+            if b != names[0]:
+                line += f" ({ratio:.3f}x {names[0]})"
+        rows.append(row)
+        print(line)
+    print("load averages (1 min) at the start and after each round:",
+          " ".join(f"{x:.1f}" for x in load))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"old": args.old, "new": args.new, "rounds": args.rounds, "repeats": args.repeats,
-                       "metric": "loop_cpu_s" if args.cpu else "loop_s",
+            cfg = {b: {"kvpool": kv, "bench": bench} for b, (kv, bench) in configs.items()}
+            json.dump({"configs": cfg,
+                       "rounds": args.rounds, "repeats": args.repeats, "metric": key,
                        "loadavg_1min": load, "cells": rows}, f, indent=1)
 
 

@@ -111,6 +111,8 @@ class PyRadixCache:
         return pages, node, pos
 
     def insert(self, tokens, pages):
+        if isinstance(pages, tuple):  # parts of the page list, as kvpool accepts them
+            pages = list(itertools.chain(*pages))
         key = tokens.tolist()
         ps = self.page_size
         aligned = len(key) // ps * ps

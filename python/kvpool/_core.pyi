@@ -267,13 +267,23 @@ class RadixCache:
         ``("lora", 1)`` and ``("salt", "1")`` (or ``1`` and ``"1"``) never collide; values equal
         in Python (``1 == True``) are one namespace.
         """
-    def insert(self, tokens: IntArray, pages: IntArray, namespace: Namespace = None) -> int:
+    def insert(
+        self,
+        tokens: IntArray,
+        pages: IntArray | tuple[IntArray, ...] | list[IntArray],
+        namespace: Namespace = None,
+    ) -> int:
         """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
 
         ``pages`` has one id per page of ``tokens`` (``len(tokens) // page_size``, or one more
         for the partial last page, which is not cached). The cache takes a reference on the
         pages of the part not cached yet; the others stay the caller's. The caller frees its own
         references as usual.
+
+        ``pages`` may also be a tuple or list of 1-D arrays standing for their concatenation,
+        e.g. ``(matched_pages, new_pages)`` as ``match_prefix`` and ``alloc`` returned them: the
+        same result, without building the concatenated array (only the pages the cache takes
+        are read).
 
         Raises
         ------

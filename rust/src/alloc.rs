@@ -252,6 +252,16 @@ impl PageAllocator {
     /// # Errors
     /// As [`alloc`](Self::alloc).
     pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
+        let mut out = Vec::with_capacity(n);
+        self.alloc_into(&mut out, n)?;
+        Ok(out)
+    }
+
+    /// Appends `n` newly allocated pages (one reference each) to `out`.
+    ///
+    /// # Errors
+    /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
+    pub(crate) fn alloc_into(&mut self, out: &mut Vec<i32>, n: usize) -> Result<(), AllocError> {
         if n > self.free_len {
             return Err(AllocError::OutOfPages {
                 requested: n,
@@ -262,14 +272,14 @@ impl PageAllocator {
         let start = self.free_len - n;
         let taken = &self.free[start..self.free_len];
         // A copy (vectorized), then one store per page (a free page's slot is zero).
-        let out: Vec<i32> = taken.iter().rev().copied().collect();
+        out.extend(taken.iter().rev().copied());
         let slots = &mut self.slots[..];
         // Ids on the free list are in range: the bounds check never fails (a cold branch).
         for &p in taken {
             slots[p as u32 as usize] = 1;
         }
         self.free_len = start;
-        Ok(out)
+        Ok(())
     }
 
     /// Drops one reference on each page; a page returns to the free list at zero.
@@ -481,17 +491,33 @@ impl PageAllocator {
     /// Drops the cache's reference on each page (all held by it, each listed once); the pages
     /// that reached zero go to the free list.
     pub(crate) fn release_cached_all(&mut self, pages: &[i32]) {
+        self.release_cached_into(pages, &mut Vec::new(), 0);
+    }
+
+    /// [`release_cached_all`](Self::release_cached_all) handing the pages that reach zero
+    /// straight out again, allocated: up to `want` entries of `out` in all (one reference each,
+    /// appended to `out`), the others to the free list. What eviction followed by `alloc` does,
+    /// without the trip through the free list.
+    pub(crate) fn release_cached_into(&mut self, pages: &[i32], out: &mut Vec<i32>, want: usize) {
         let slots = &mut self.slots[..];
         let len = self.free_len;
         if self.shared_cached == 0 {
             // No cached page has another holder: every one is freed (a store, then one copy).
-            for &p in pages {
+            let k = want.saturating_sub(out.len()).min(pages.len());
+            let (given, rest) = pages.split_at(k);
+            for &p in given {
+                let s = &mut slots[p as u32 as usize];
+                debug_assert_eq!(refs(*s), CACHED, "page {p}: not the cache's alone");
+                *s = 1;
+            }
+            for &p in rest {
                 let s = &mut slots[p as u32 as usize];
                 debug_assert_eq!(refs(*s), CACHED, "page {p}: not the cache's alone");
                 *s = 0;
             }
-            self.free[len..len + pages.len()].copy_from_slice(pages);
-            self.free_len = len + pages.len();
+            out.extend_from_slice(given);
+            self.free[len..len + rest.len()].copy_from_slice(rest);
+            self.free_len = len + rest.len();
             return;
         }
         let free = &mut self.free[..];
@@ -503,8 +529,13 @@ impl PageAllocator {
                 "release of page {p} the cache does not hold"
             );
             let r = refs(*s) & HOLDERS;
-            *s = r;
             unshared += usize::from(r != 0);
+            if r == 0 && out.len() < want {
+                *s = 1;
+                out.push(p);
+                continue;
+            }
+            *s = r;
             // In bounds: the spare entry, and a page the cache still held is not free yet.
             free[len] = p;
             len += usize::from(r == 0);

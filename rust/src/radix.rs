@@ -29,6 +29,7 @@
 //! assert_eq!((m.len, m.pages.len()), (2, 2));
 //! ```
 
+use std::borrow::Cow;
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
@@ -232,10 +233,14 @@ impl Node {
 }
 
 /// Children of a node, found by the first token of their key; the first page decides equality
-/// (with page_size > 1, two children may share a first token). Hashing one token keeps lookups
-/// cheap for any page size, with std's DoS-resistant hasher.
+/// (with page_size > 1, two children may share a first token). An only child is kept inline (a
+/// chain of turns, a path below a split: no hashing, no table); from two children on, hashing one
+/// token keeps lookups cheap for any page size, with std's DoS-resistant hasher.
 #[derive(Debug, Default)]
 struct Children {
+    /// The child while there is exactly one (then `map` is empty).
+    solo: Option<(i32, u32)>,
+    /// All children while there are two or more.
     map: HashMap<i32, Kids>,
     len: usize,
 }
@@ -254,6 +259,16 @@ impl Children {
         self.len == 0
     }
     fn candidates(&self, first: i32) -> &[u32] {
+        if let Some((f, id)) = &self.solo {
+            return if *f == first {
+                std::slice::from_ref(id)
+            } else {
+                &[]
+            };
+        }
+        if self.len == 0 {
+            return &[];
+        }
         match self.map.get(&first) {
             Some(Kids::One(id)) => std::slice::from_ref(id),
             Some(Kids::Many(v)) => v,
@@ -261,19 +276,40 @@ impl Children {
         }
     }
     fn entries(&self) -> impl Iterator<Item = (i32, u32)> + '_ {
-        self.map.iter().flat_map(|(&f, k)| {
-            let ids: &[u32] = match k {
-                Kids::One(id) => std::slice::from_ref(id),
-                Kids::Many(v) => v,
-            };
-            ids.iter().map(move |&id| (f, id))
-        })
+        self.solo
+            .into_iter()
+            .chain(self.map.iter().flat_map(|(&f, k)| {
+                let ids: &[u32] = match k {
+                    Kids::One(id) => std::slice::from_ref(id),
+                    Kids::Many(v) => v,
+                };
+                ids.iter().map(move |&id| (f, id))
+            }))
     }
     fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.entries().map(|(_, id)| id)
     }
+    /// Whether the representation is the one its count calls for.
+    fn well_formed(&self) -> bool {
+        match self.len {
+            0 => self.solo.is_none() && self.map.is_empty(),
+            1 => self.solo.is_some() && self.map.is_empty(),
+            _ => self.solo.is_none(),
+        }
+    }
     fn insert(&mut self, first: i32, id: u32) {
+        if self.len == 0 {
+            self.solo = Some((first, id));
+            self.len = 1;
+            return;
+        }
+        if let Some((f, only)) = self.solo.take() {
+            self.map_insert(f, only);
+        }
+        self.map_insert(first, id);
         self.len += 1;
+    }
+    fn map_insert(&mut self, first: i32, id: u32) {
         match self.map.get_mut(&first) {
             None => {
                 self.map.insert(first, Kids::One(id));
@@ -287,6 +323,13 @@ impl Children {
         }
     }
     fn remove(&mut self, first: i32, id: u32) {
+        if self.solo.is_some() {
+            if self.solo == Some((first, id)) {
+                self.solo = None;
+                self.len = 0;
+            }
+            return;
+        }
         let Some(k) = self.map.get_mut(&first) else {
             return;
         };
@@ -306,8 +349,20 @@ impl Children {
             }
             Kids::One(_) => {}
         }
+        if self.len == 1 {
+            // Back to one child: inline again (the table keeps its memory for a next sibling).
+            let only = self.entries().next();
+            self.map.clear();
+            self.solo = only;
+        }
     }
     fn replace(&mut self, first: i32, old: u32, new: u32) {
+        if let Some((f, id)) = &mut self.solo {
+            if *f == first && *id == old {
+                *id = new;
+            }
+            return;
+        }
         match self.map.get_mut(&first) {
             Some(Kids::One(x)) if *x == old => *x = new,
             Some(Kids::Many(v)) => v.iter_mut().filter(|x| **x == old).for_each(|x| *x = new),
@@ -362,6 +417,24 @@ fn common_prefix(a: &[i32], b: &[i32]) -> usize {
         i += 1;
     }
     i
+}
+
+/// Entries `start..end` of the concatenation of `parts` (in range), borrowed when one part holds
+/// them all.
+fn page_range<'a, P: RawPage>(parts: &[&'a [P]], start: usize, end: usize) -> Cow<'a, [P]> {
+    let mut off = 0;
+    let mut out = Vec::new();
+    for &part in parts {
+        let (lo, hi) = (start.max(off), end.min(off + part.len()));
+        if lo < hi {
+            if lo == start && hi == end {
+                return Cow::Borrowed(&part[lo - off..hi - off]);
+            }
+            out.extend_from_slice(&part[lo - off..hi - off]);
+        }
+        off += part.len();
+    }
+    Cow::Owned(out)
 }
 
 impl RadixCache {
@@ -630,22 +703,40 @@ impl RadixCache {
         tokens: &[i32],
         pages: &[P],
     ) -> Result<usize, RadixError> {
+        self.insert_parts(alloc, ns, tokens, &[pages])
+    }
+
+    /// [`insert`](Self::insert) with the page ids given in consecutive parts (e.g. the pages a
+    /// match returned, then the pages allocated for the rest): they count as their concatenation,
+    /// which is never built; only the pages the tree takes are read.
+    ///
+    /// # Errors
+    /// As [`insert`](Self::insert), the parts' total length standing for `pages.len()`.
+    pub fn insert_parts<P: RawPage>(
+        &mut self,
+        alloc: &mut PageAllocator,
+        ns: &Namespace,
+        tokens: &[i32],
+        parts: &[&[P]],
+    ) -> Result<usize, RadixError> {
+        let n_pages = parts.iter().map(|p| p.len()).sum();
         self.check_alloc(alloc)?;
         let ps = self.page_size;
         let (full, ceil) = (tokens.len() / ps, tokens.len().div_ceil(ps));
-        if pages.len() != full && pages.len() != ceil {
+        if n_pages != full && n_pages != ceil {
             return Err(RadixError::LengthMismatch {
                 tokens: tokens.len(),
-                pages: pages.len(),
+                pages: n_pages,
                 page_size: ps,
                 full,
                 ceil,
             });
         }
         let aligned = full * ps;
-        // Read-only walk: whole nodes on the path, then where the walk stops inside an edge.
+        // Read-only walk: whole nodes on the path (down to `last`), then where the walk stops
+        // inside an edge.
         let root = self.roots.get(ns.as_bytes()).copied();
-        let mut path = Vec::new();
+        let mut last = NONE;
         let mut partial = None;
         let mut pos = 0;
         if let Some(root) = root {
@@ -661,21 +752,31 @@ impl RadixCache {
                     partial = Some((child, m));
                     break;
                 }
-                path.push(child);
+                last = child;
                 cur = child;
             }
         }
+        // The pages the tree takes: borrowed when one part holds them all (a serving loop's
+        // new pages), gathered otherwise.
+        let taken = page_range(parts, pos / ps, full);
         // Validates the pages the tree takes and takes its reference on them (one pass).
         if pos < aligned {
-            alloc.cache_pages(&pages[pos / ps..full])?;
+            alloc.cache_pages(&taken)?;
         }
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
-        for &id in &path {
+        // The whole nodes walked: `last` and its ancestors below the namespace root.
+        let mut id = last;
+        while id != NONE && Some(id) != root {
             self.touch(id, clock);
+            id = self.node(id).parent;
         }
-        let mut parent = path.last().copied().or(root).unwrap_or(NONE);
+        let mut parent = if last != NONE {
+            last
+        } else {
+            root.unwrap_or(NONE)
+        };
         if let Some((child, m)) = partial {
             parent = self.split(child, m);
             self.touch(parent, clock);
@@ -697,7 +798,7 @@ impl RadixCache {
             last_access: clock,
             ..Node::default()
         };
-        let taken = pages[pos / ps..full].iter().map(|p| p.to_i64() as i32);
+        let taken = taken.iter().map(|p| p.to_i64() as i32);
         let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
         self.evictable += aligned - pos;
@@ -808,12 +909,14 @@ impl RadixCache {
     }
 
     /// Removes an unlocked leaf: drops the tree's reference on its pages.
-    fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32) {
+    /// Pages freed by it go to `out` (allocated) while `out` has fewer than `want`, else to the
+    /// free list.
+    fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32, out: &mut Vec<i32>, want: usize) {
         let n = &self.nodes[id as usize];
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
         }
-        alloc.release_cached_all(n.pages());
+        alloc.release_cached_into(n.pages(), out, want);
         let (parent, first, len) = (n.parent, n.key()[0], n.key_len as usize);
         self.evictable -= len;
         self.free_node(id);
@@ -831,9 +934,11 @@ impl RadixCache {
         }
     }
 
-    fn apply(&mut self, alloc: &mut PageAllocator, plan: &Plan) {
+    /// Evicts the plan's nodes; the pages they free go to `out` (allocated) up to `want`
+    /// entries, the rest to the free list.
+    fn apply(&mut self, alloc: &mut PageAllocator, plan: &Plan, out: &mut Vec<i32>, want: usize) {
         for &id in &plan.order {
-            self.remove_leaf(alloc, id);
+            self.remove_leaf(alloc, id, out, want);
         }
     }
 
@@ -850,7 +955,7 @@ impl RadixCache {
     ) -> Result<usize, RadixError> {
         self.check_alloc(alloc)?;
         let plan = self.plan(alloc, &Goal::Tokens(num_tokens));
-        self.apply(alloc, &plan);
+        self.apply(alloc, &plan, &mut Vec::new(), 0);
         Ok(plan.tokens)
     }
 
@@ -864,8 +969,11 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         n: usize,
     ) -> Result<Vec<PageId>, RadixError> {
-        self.make_room(alloc, n)?;
-        Ok(alloc.alloc(n)?)
+        Ok(self
+            .alloc_i32(alloc, n)?
+            .into_iter()
+            .filter_map(|p| PageId::new(p as u32))
+            .collect())
     }
 
     /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries).
@@ -877,15 +985,12 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         n: usize,
     ) -> Result<Vec<i32>, RadixError> {
-        self.make_room(alloc, n)?;
-        Ok(alloc.alloc_i32(n)?)
-    }
-
-    /// Evicts until `n` pages are free; nothing changes when even evicting all would not do.
-    fn make_room(&mut self, alloc: &mut PageAllocator, n: usize) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         let free = alloc.num_free();
+        let mut out = Vec::with_capacity(n);
         if n > free {
+            // Evict until enough pages are free; nothing changes when even evicting all would
+            // not do. The pages eviction frees are handed out directly (then the free list's).
             let plan = self.plan(alloc, &Goal::FreePages(n - free));
             if plan.freed_pages < n - free {
                 return Err(AllocError::OutOfPages {
@@ -895,9 +1000,11 @@ impl RadixCache {
                 }
                 .into());
             }
-            self.apply(alloc, &plan);
+            self.apply(alloc, &plan, &mut out, n);
         }
-        Ok(())
+        let rest = n - out.len();
+        alloc.alloc_into(&mut out, rest)?;
+        Ok(out)
     }
 
     /// Empties the cache (dropping the tree's page references) and zeroes the counters. Every
@@ -977,8 +1084,8 @@ impl RadixCache {
                     n.lock, n.own_locks
                 ));
             }
-            if n.children.ids().count() != n.children.len() {
-                return bad(format!("node {id}: child count wrong"));
+            if n.children.ids().count() != n.children.len() || !n.children.well_formed() {
+                return bad(format!("node {id}: child count or representation wrong"));
             }
             for (first, c) in n.children.entries() {
                 let cn = self.node(c);
@@ -1340,6 +1447,103 @@ mod tests {
         a.free(&m.pages).unwrap();
         assert_eq!(a.num_free(), 6);
         c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn insert_parts_is_insert_of_the_concatenation() {
+        for ps in [1u64, 2] {
+            let (mut a, mut c) = setup(32, ps);
+            let ns = Namespace::none();
+            let n = 6 * ps as usize;
+            let toks: Vec<i32> = (0..n as i32).collect();
+            put(&mut a, &mut c, &ns, &toks[..2 * ps as usize]);
+            let m = c.match_prefix(&ns, &toks);
+            let cached: Vec<i32> = m.pages.iter().map(|p| p.as_i32()).collect();
+            let new: Vec<i32> = c
+                .alloc(&mut a, 6 - cached.len())
+                .unwrap()
+                .iter()
+                .map(|p| p.as_i32())
+                .collect();
+            // The taken pages span three parts (gathered), then a wrong total changes nothing.
+            let parts: [&[i32]; 4] = [&cached[..1], &[cached[1], new[0]], &new[1..3], &new[3..]];
+            let bad: [&[i32]; 2] = [&cached, &new[1..]];
+            assert!(matches!(
+                c.insert_parts(&mut a, &ns, &toks, &bad),
+                Err(RadixError::LengthMismatch { pages: 5, .. })
+            ));
+            assert_eq!(c.total_size(), 2 * ps as usize);
+            assert_eq!(
+                c.insert_parts(&mut a, &ns, &toks, &parts).unwrap(),
+                2 * ps as usize
+            );
+            a.free(&new).unwrap();
+            c.check_invariants(&a).unwrap();
+            let m = c.match_prefix(&ns, &toks);
+            let all: Vec<i32> = cached.iter().chain(&new).copied().collect();
+            assert_eq!(m.pages.iter().map(|p| p.as_i32()).collect::<Vec<_>>(), all);
+            // All within one part: borrowed.
+            assert!(matches!(page_range(&parts, 3, 5), Cow::Borrowed([_, _])));
+            assert_eq!(&*page_range(&parts, 1, 4), &all[1..4]);
+            assert!(page_range(&parts, 6, 6).is_empty());
+        }
+    }
+
+    /// `cache.alloc` hands out the pages its eviction frees: each with one reference, never one
+    /// a request still holds, the rest of what eviction freed on the free list.
+    #[test]
+    fn cache_alloc_hands_out_evicted_pages() {
+        let (mut a, mut c) = setup(8, 1);
+        let ns = Namespace::none();
+        put(&mut a, &mut c, &ns, &[1, 1, 1]);
+        put(&mut a, &mut c, &ns, &[2, 2, 2]);
+        let rest = a.alloc(2).unwrap(); // the pool is full now
+        let got = c.alloc(&mut a, 2).unwrap();
+        assert_eq!(c.total_size(), 3, "one leaf of 3 evicted");
+        assert_eq!(a.num_free(), 1);
+        for p in &got {
+            assert_eq!(a.ref_count(*p), 1);
+            assert!(!a.is_cached(*p) && !rest.contains(p));
+        }
+        c.check_invariants(&a).unwrap();
+        // A cached page shared with a request is not freed by eviction, so not handed out.
+        let m = c.match_prefix(&ns, &[2, 2, 2]);
+        a.inc_ref(&m.pages[..1]).unwrap();
+        let got2 = c.alloc(&mut a, 3).unwrap();
+        assert_eq!(c.total_size(), 0);
+        assert!(!got2.contains(&m.pages[0]));
+        assert_eq!(a.ref_count(m.pages[0]), 1);
+        assert_eq!(a.num_free(), 0);
+        a.free(&m.pages[..1]).unwrap();
+        a.free(&got2).unwrap();
+        a.free(&got).unwrap();
+        a.free(&rest).unwrap();
+        assert_eq!(a.num_free(), 8);
+        c.check_invariants(&a).unwrap();
+    }
+
+    #[test]
+    fn children_inline_one_then_table() {
+        let mut c = Children::default();
+        assert!(c.candidates(5).is_empty() && c.well_formed());
+        c.insert(5, 10);
+        assert!(c.solo == Some((5, 10)) && c.well_formed());
+        assert_eq!((c.candidates(5), c.candidates(6)), (&[10][..], &[][..]));
+        c.replace(5, 10, 11);
+        assert_eq!(c.candidates(5), &[11]);
+        c.insert(5, 12); // same first token (page_size > 1)
+        c.insert(7, 13);
+        assert!(c.solo.is_none() && c.well_formed() && c.len() == 3);
+        assert_eq!(c.candidates(5), &[11, 12]);
+        c.remove(5, 11);
+        c.remove(5, 99); // not a child: nothing
+        assert_eq!(c.len(), 2);
+        c.remove(7, 13);
+        assert!(c.solo == Some((5, 12)) && c.well_formed());
+        assert_eq!(c.ids().collect::<Vec<_>>(), vec![12]);
+        c.remove(7, 12); // wrong first token: nothing
+        c.remove(5, 12);
+        assert!(c.is_empty() && c.well_formed() && c.candidates(5).is_empty());
     }
 
     #[test]

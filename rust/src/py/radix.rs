@@ -9,7 +9,7 @@ use std::sync::{Mutex, OnceLock};
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, PyPageAllocator, Shared};
 use super::array::{count, ints, page_array};
@@ -151,15 +151,36 @@ impl PyRadixCache {
         namespace: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let ns = self::namespace(namespace)?;
-        let (t, p) = (ints(tokens, "tokens")?, ints(pages, "pages")?);
+        let t = ints(tokens, "tokens")?;
+        // One array, or a tuple / list of arrays standing for their concatenation (what a serving
+        // loop holds: the matched pages, then the new ones), never built.
+        let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
+            tup.iter().collect()
+        } else if let Ok(list) = pages.cast::<PyList>() {
+            list.iter().collect()
+        } else {
+            let p = ints(pages, "pages")?;
+            let (toks, pages) = (t.tokens("tokens")?, p.pages("pages")?);
+            let mut c = guard(&self.cache);
+            return c
+                .insert(&mut guard(&self.alloc), &ns, &toks, &pages)
+                .map_err(to_py);
+        };
+        let arrays = items
+            .iter()
+            .enumerate()
+            // The error names the part (rare path: the name is only built then).
+            .map(|(i, a)| ints(a, "pages").or_else(|_| ints(a, &format!("pages[{i}]"))))
+            .collect::<PyResult<Vec<_>>>()?;
+        let toks = t.tokens("tokens")?;
+        let parts = arrays
+            .iter()
+            .map(|a| a.pages("pages"))
+            .collect::<PyResult<Vec<_>>>()?;
+        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
         let mut c = guard(&self.cache);
-        c.insert(
-            &mut guard(&self.alloc),
-            &ns,
-            &t.tokens("tokens")?,
-            &p.pages("pages")?,
-        )
-        .map_err(to_py)
+        c.insert_parts(&mut guard(&self.alloc), &ns, &toks, &parts)
+            .map_err(to_py)
     }
 
     fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
