@@ -437,8 +437,9 @@ def plan_decode(
         for untransposed dots, the group's power of two otherwise.
     maxnreg : int, optional
         Register cap per thread of the split kernel, 24..255 (ptxas, sm_90, raises smaller
-        caps to 24 and ignores larger ones). Default None: no cap. Measured slower on the H200
-        at 128 (run 6); for experiments.
+        caps to 24 and ignores larger ones). Default None: no cap. For experiments: at 128 on
+        the H200 (run 6, call 2) it slowed one-warp programs (fp8 0.351 -> 0.377 ms) and sped
+        up 2-warp ones, which stayed slower than the one-warp default.
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
 
