@@ -11,6 +11,7 @@ fp4_mx_block16 caches) or fp32 (fp32 cache), with fp32 accumulation; output roun
 
 import math
 import os
+import re
 
 import pytest
 
@@ -823,3 +824,175 @@ def test_fp4_tiles_of_16_tokens_refused_gpu(dtype):
         attention.plan_extend(cache.view, 8, cu, pt, sl, block_n=16)
     out, ref = run_decode(cache, 8, backend="triton", device="cuda", plan_kw={"block_n": 32})
     assert rel_err(out, ref) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------------- plan knobs (review)
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"group_pad": 0}, "`group_pad` = 0: must be a power of two >= 4 (the query group is 4)"),
+        ({"group_pad": -4}, "`group_pad` = -4: must be a power of two >= 4"),
+        ({"group_pad": 12}, "`group_pad` = 12: must be a power of two >= 4"),
+        ({"group_pad": 16.0}, "`group_pad` = 16.0: must be an int"),
+        ({"group_pad": "16"}, "`group_pad` = '16': must be an int"),
+        ({"group_pad": True}, "`group_pad` = True: must be an int"),
+        ({"maxnreg": 0}, "`maxnreg` = 0: must be an int in 24..255"),
+        ({"maxnreg": -1}, "`maxnreg` = -1: must be an int in 24..255"),
+        ({"maxnreg": 23}, "`maxnreg` = 23: must be an int in 24..255"),
+        ({"maxnreg": 256}, "`maxnreg` = 256: must be an int in 24..255"),
+        ({"maxnreg": True}, "`maxnreg` = True: must be an int"),
+        ({"maxnreg": 128.7}, "`maxnreg` = 128.7: must be an int"),
+        ({"maxnreg": "x"}, "`maxnreg` = 'x': must be an int"),
+        ({"num_warps": 0}, "`num_warps` = 0: must be a power of two in 1..32"),
+        ({"num_warps": 3}, "`num_warps` = 3: must be a power of two in 1..32"),
+        ({"num_warps": 64}, "`num_warps` = 64: must be a power of two in 1..32"),
+        ({"num_warps": True}, "`num_warps` = True: must be an int"),
+        ({"block_n": 32.0}, "`block_n` = 32.0: must be an int"),
+        ({"block_n": 24}, "`block_n` = 24: must be a power of two >= 16"),
+        ({"block_n": 0}, "`block_n` = 0: must be a power of two >= 16"),
+        ({"num_splits": 0}, "`num_splits` = 0: must be an int >= 1"),
+        ({"num_splits": 2.5}, "`num_splits` = 2.5: must be an int"),
+        ({"num_stages": 0}, "`num_stages` = 0: must be an int >= 1"),
+    ],
+)
+def test_plan_decode_rejects_bad_knobs(kw, msg):
+    cache = Cache("fp8_e4m3", [5, 9], heads=2, d=32, page=16)
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        attention.plan_decode(cache.view, 8, cache.page_table, cache.seq_lens, **kw)
+
+
+def test_plan_decode_knobs_accepted_as_exact_ints():
+    np = pytest.importorskip("numpy")
+    cache = Cache("fp8_e4m3", [5, 9], heads=2, d=32, page=16)
+    pt, sl = cache.page_table, cache.seq_lens
+    for cap in (24, 127, 255):  # odd caps are legal for ptxas
+        assert attention.plan_decode(cache.view, 8, pt, sl, maxnreg=cap).maxnreg == cap
+    p = attention.plan_decode(
+        cache.view, 8, pt, sl, maxnreg=np.int64(128), group_pad=np.int32(8), block_n=np.int64(32)
+    )
+    assert (p.maxnreg, p.group_pad, p.block_n) == (128, 8, 32)
+    assert all(type(x) is int for x in (p.maxnreg, p.group_pad, p.block_n))
+    # group 1 (8 query heads over 8 KV heads): 1 is a legal pad, True is not
+    c1 = Cache("fp8_e4m3", [5, 9], heads=8, d=32, page=16)
+    assert attention.plan_decode(c1.view, 8, c1.page_table, c1.seq_lens, group_pad=1).group_pad == 1
+    with pytest.raises(ValueError, match="`group_pad` = True: must be an int"):
+        attention.plan_decode(c1.view, 8, c1.page_table, c1.seq_lens, group_pad=True)
+
+
+def test_plan_decode_one_warp_needs_the_word_decode_it_will_run():
+    """asm=True where the word decode does not apply (bf16; fp8 rows off 4-byte boundaries) runs
+    the byte path, so the plan keeps the 4-warp tiles of that path: bf16 64 tokens
+    (use_dot, no asm), fp8 128 tokens."""
+    import dataclasses
+
+    cb = Cache("bf16", [5, 9], heads=2, d=32, page=16)
+    p = attention.plan_decode(cb.view, 8, cb.page_table, cb.seq_lens, asm=True)
+    assert (p.asm, p.num_warps, p.block_n) == (False, 4, 64)
+    c8 = Cache("fp8_e4m3", [5, 9], heads=2, d=32, page=16)
+    n, h, w = c8.view.k.shape
+    wide = torch.zeros(n, h * w + 1, dtype=torch.uint8)
+    odd = wide.as_strided((n, h, w), (h * w + 1, w, 1)).view(torch.float8_e4m3fn)
+    view = dataclasses.replace(c8.view, k=odd, v=odd)
+    p = attention.plan_decode(view, 8, c8.page_table, c8.seq_lens, asm=True)
+    assert (p.asm, p.num_warps, p.block_n) == (False, 4, 128)
+    # explicit num_warps=1 with prefetch or without dots: one warp, the tile of that path
+    p = attention.plan_decode(c8.view, 8, c8.page_table, c8.seq_lens, num_warps=1, prefetch=True)
+    assert (p.num_warps, p.block_n, p.swap, p.group_pad) == (1, 128, False, 16)
+    p = attention.plan_decode(c8.view, 8, c8.page_table, c8.seq_lens, num_warps=1, use_dot=False)
+    assert (p.num_warps, p.block_n, p.asm, p.group_pad) == (1, 32, False, 4)
+
+
+def _pretend_gpu(monkeypatch):
+    """Run the FP4 tile guard as if the view were on CUDA (the check raises before any launch)."""
+    from types import SimpleNamespace
+
+    real = attention._check_fp4_tile
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(
+        attention,
+        "_check_fp4_tile",
+        lambda view, bn: real(
+            SimpleNamespace(dtype=view.dtype, k=SimpleNamespace(is_cuda=True)), bn
+        ),
+    )
+
+
+def test_reused_plan_with_16_token_tiles_refused_for_fp4_at_launch(monkeypatch):
+    """A plan is shared by every layer: one made on an fp8 layer (B=1: 16-token tiles by default)
+    must not launch 16-token tiles on an FP4 layer of the same geometry; nor an extend plan.
+    The output buffer is left untouched."""
+    c8 = Cache("fp8_e4m3", [40], heads=2, d=32, page=16)
+    c4 = Cache("nvfp4", [40], heads=2, d=32, page=16, seed=3)
+    plan = attention.plan_decode(c8.view, 8, c8.page_table, c8.seq_lens)
+    assert plan.block_n == 16
+    _pretend_gpu(monkeypatch)
+    q = torch.randn(1, 8, 32).to(torch.bfloat16)
+    out = torch.full((1, 8, 32), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="`block_n` = 16: nvfp4 caches need KV tiles of at least"):
+        attention.decode(c4.view, q, plan=plan, backend="triton", out=out)
+    assert bool((out == 7).all())
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    ep = attention.plan_extend(c8.view, 8, cu, c8.page_table, c8.seq_lens, block_n=16)
+    with pytest.raises(ValueError, match="`block_n` = 16: nvfp4 caches need KV tiles of at least"):
+        attention.extend(c4.view, q[0:1], plan=ep, backend="triton", out=out)
+    assert bool((out == 7).all())
+
+
+def test_reused_plan_split_workspace_must_match_the_view():
+    """The split workspace is sized by the planning view's v_head_dim: a view with wider V heads
+    would write past it, so decode refuses (naming both shapes) and leaves ``out`` untouched."""
+    small = Cache("bf16", [40, 9], heads=2, d=32, page=16)
+    wide = Cache("bf16", [40, 9], heads=2, d=32, dv=64, page=16, seed=4)
+    plan = attention.plan_decode(small.view, 4, small.page_table, small.seq_lens, num_splits=2)
+    assert tuple(plan.part_out.shape) == (2, 4, 2, 32)
+    q = torch.randn(2, 4, 32).to(torch.bfloat16)
+    out = torch.full((2, 4, 64), 7.0, dtype=torch.bfloat16)
+    msg = "`plan` split workspace is (2, 4, 2, 32), this batch needs (2, 4, 2, 64) on cpu"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        attention.decode(wide.view, q, plan=plan, backend="triton", out=out)
+    assert bool((out == 7).all())
+    plan.part_out = None  # a mutated plan: no workspace for its splits
+    with pytest.raises(ValueError, match=re.escape("`plan` split workspace is None")):
+        attention.decode(small.view, q, plan=plan, backend="triton")
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "plan_kw",
+    [
+        {"swap": False, "group_pad": 4},  # untransposed dots on a 4-row group (no 16-row pad)
+        {"swap": False, "group_pad": 32},
+        {"swap": True, "group_pad": 16},
+        {"maxnreg": 127},
+        {"num_warps": 1, "prefetch": True},
+    ],
+)
+def test_decode_plan_knobs_interpreted(plan_kw):
+    cache = Cache("fp8_e4m3", [5, 40], heads=2, d=32, page=16)
+    out, ref = run_decode(cache, 8, backend="triton", plan_kw={"num_splits": 2, **plan_kw})
+    assert rel_err(out, ref) < TOL["fp8_e4m3"]
+
+
+@pytest.mark.interpret
+def test_word_decode_plan_reused_on_unaligned_rows_interpreted():
+    """A word-decode plan from an aligned layer reused on a view whose rows are off 4-byte
+    boundaries takes the byte path at launch (the result matches the oracle)."""
+    import dataclasses
+
+    cache = Cache("fp8_e4m3", [5, 40], heads=2, d=32, page=16)
+    plan = attention.plan_decode(cache.view, 8, cache.page_table, cache.seq_lens)
+    assert plan.asm
+
+    def odd_rows(t):
+        n, h, w = t.shape
+        wide = torch.zeros(n, h * w + 1, dtype=torch.uint8)
+        wide[:, : h * w] = t.view(torch.uint8).reshape(n, -1)
+        return wide.as_strided((n, h, w), (h * w + 1, w, 1)).view(t.dtype)
+
+    view = dataclasses.replace(cache.view, k=odd_rows(cache.view.k), v=odd_rows(cache.view.v))
+    q = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out = attention.decode(view, q, plan=plan, sm_scale=0.2, backend="triton")
+    ref = oracle(cache, q, [[4], [39]], [[0], [1]], sm_scale=0.2)
+    assert rel_err(out, ref) < TOL["fp8_e4m3"]

@@ -32,6 +32,7 @@ layer of a forward step.
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -195,6 +196,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _check_knob(name: str, value, lo: int, hi: int | None = None, pow2: bool = False) -> int:
+    """``value`` as an int in ``lo..hi`` (a power of two if ``pow2``), else ValueError naming it.
+
+    Accepts Python and numpy integers; rejects bools and non-integers (``16.0``, ``"16"``)
+    instead of letting them fail deep in torch or Triton, or pass as 0/1.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"`{name}` = {value!r}: must be an int") from None
+    if value < lo or (hi is not None and value > hi) or (pow2 and value & (value - 1)):
+        what = "a power of two" if pow2 else "an int"
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"`{name}` = {value}: must be {what} {rng}")
+    return value
+
+
 # ----------------------------------------------------------------------------- plans
 
 
@@ -259,10 +279,30 @@ def default_splits(
     latency-bound and takes the most splits: at most 128 of at least 256 tokens (4 warps), or
     256 of at least 128 tokens (1 warp).
 
-    Measured on the H200 (benches/attention): 4 warps, B=16 at 8k: 3 splits (one wave; 2, 5 and
-    8 slower); B=1 at 32k: 128 (66, 32 slower). 1 warp, fp8 with 32-token tiles: B=64/8k 3
-    splits 0.336 ms (4: 0.396 ms, 1.3 waves; 6: 0.337; 12: 0.339), B=16/8k 12 splits 0.097 ms
-    (3: 0.173, 6: 0.123, 24: 0.101); B=1/32k 256 splits of 16-token tiles 35.8 us (128: 37.8).
+    Measured on the H200 (benches/attention, 8 KV heads): 4 warps (run 5), B=16 at 8k: 3 splits
+    (one wave; 2, 5 and 8 slower); B=1 at 32k: 128 (66, 32 slower). 1 warp, fp8_e4m3 with
+    32-token tiles (run 6, ``results/run6_h200/call3_variants.json``): B=64/8k 3 splits 0.336 ms
+    (4: 0.396 ms, 1.3 waves; 6 with 3 stages: 0.337; 12: 0.339), B=16/8k 12 splits 0.097 ms
+    (3: 0.173, 6: 0.123, 24: 0.101); B=1/32k 256 splits of 16-token tiles 35.8 us (128 splits
+    of 32-token tiles: 37.8, 256: 41.8).
+
+    Parameters
+    ----------
+    batch, kv_heads : int
+        Requests and KV heads per rank (``batch * kv_heads`` programs per split).
+    max_seq_len : int
+        Longest request in tokens.
+    device : torch.device
+        Where the kernel runs (its multiprocessor count; 4 for a CPU device).
+    block_n : int
+        The plan's KV tile in tokens.
+    num_warps : int
+        The plan's warps per program (1 selects the one-warp limits above).
+
+    Returns
+    -------
+    int
+        Splits per request, ``1 .. 256``.
     """
     programs = max(batch * kv_heads, 1)
     n = max(int(max_seq_len), 1)
@@ -309,7 +349,7 @@ class DecodePlan:
     block_n, num_warps, num_stages : int
         Kernel tile (tokens per step) and launch options.
     use_dot : bool
-        Tensor-core dots (query group padded to 16 rows) or CUDA-core FMA (group unpadded).
+        Tensor-core dots (query group padded to ``group_pad`` rows) or CUDA-core FMA.
     prefetch : bool
         Issue the next tile's loads before the current tile's math (register double buffer).
     asm : bool
@@ -323,12 +363,13 @@ class DecodePlan:
         Benchmarks only: leave one kernel stage out (0 = none; 1-3 see ``decode_kernel``; 4 = the
         split merge). Results are wrong when nonzero.
     maxnreg : int or None
-        Register cap per thread for the split kernel (Triton's ``maxnreg``; None: the
+        Register cap per thread for the split kernel (Triton's ``maxnreg``, 24..255; None: the
         compiler's choice). Fewer registers let more programs share a multiprocessor.
     group_pad : int
-        Rows the query group is padded to in the kernel (a power of two >= the group): 16 for
-        untransposed dots, the group's power of two for transposed ones; 16 makes Triton use
-        Hopper's warpgroup MMA for transposed dots.
+        Rows the query group is padded to in the kernel (a power of two >= the group): by
+        default ``max(16, group)`` rounded up to a power of two for untransposed dots, the
+        group's power of two for transposed dots and FMA; 16 makes Triton use Hopper's
+        warpgroup MMA for transposed dots (slower for fp8 on the H200, run 6 call 2).
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     """
@@ -384,11 +425,36 @@ def plan_decode(
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
     num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
-        Override the heuristics (benchmarks, tuning).
-    group_pad, maxnreg : optional
-        Override the heuristics (benchmarks, tuning).
+        Override the heuristics (benchmarks, tuning). ``block_n`` is in tokens (a power of two
+        >= 16; >= 32 for FP4 caches on the GPU), ``num_warps`` a power of two in 1..32.
+        ``asm=True`` is ignored where the word decode does not apply (see :class:`DecodePlan`).
+        The one-warp default (``num_warps=1``, 32-token tiles, 16 for fp8 at <= 16 programs)
+        applies with ``use_dot``, the word decode, no ``prefetch`` and heads <= 128 wide;
+        otherwise 4 warps.
+    group_pad : int, optional
+        Rows the query group is padded to in the kernel: a power of two >= the group
+        (``num_q_heads / kv_heads``). Default: ``max(16, group)`` rounded up to a power of two
+        for untransposed dots, the group's power of two otherwise.
+    maxnreg : int, optional
+        Register cap per thread of the split kernel, 24..255 (ptxas, sm_90, raises smaller
+        caps to 24 and ignores larger ones). Default None: no cap. For experiments: at 128 on
+        the H200 (run 6, call 2) it slowed one-warp programs (fp8 0.351 -> 0.377 ms) and sped
+        up 2-warp ones, which stayed slower than the one-warp default.
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
+
+    Returns
+    -------
+    DecodePlan
+        With workspaces allocated on ``view``'s device when ``num_splits > 1``.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong shape, dtype or device; ``num_q_heads`` not a multiple of the KV
+        heads; a knob that is not an int (bools included) or out of range; an FP4 tile
+        shorter than 32 tokens on the GPU; ``swap`` with ``use_dot=False``, ``prefetch`` or
+        ``ablate > 1``. The message names the value.
     """
     _check_view(view)
     _group(view, num_q_heads)
@@ -406,22 +472,21 @@ def plan_decode(
     fp8 = view.dtype in ("fp8_e4m3", "fp8_e5m2")
     if asm is None:
         asm = use_dot and _asm_default(view, "decode")
-    # Run 6 (H200): with 8-bit and 4-bit caches one-warp programs on 32-token tiles beat 4-warp
-    # programs on 128-token tiles (B=64/8k: fp8 0.364 -> 0.336 ms, nvfp4 0.494 -> 0.425, fp4_mx
-    # 0.503 -> 0.464): 12 programs per multiprocessor instead of 3, the same number of warps, and
-    # no barriers between warps in the softmax. Heads wider than 128 keep 4-warp tiles.
+    asm = bool(asm) and _asm_ok(view)  # what the kernel will run (asm=True on bf16: off)
+    if num_warps is not None:
+        num_warps = _check_knob("num_warps", num_warps, 1, 32, pow2=True)
+    # Run 6 (H200, call 12, same run): with 8-bit and 4-bit caches one-warp programs on 32-token
+    # tiles beat 4-warp programs on 128-token tiles (B=64/8k: fp8_e4m3 0.367 -> 0.335 ms, nvfp4
+    # 0.480 -> 0.424, fp4_mx 0.527 -> 0.464): 12 programs per multiprocessor instead of 3, the
+    # same number of warps, and no barriers between warps in the softmax. Heads wider than 128
+    # keep 4-warp tiles.
     one_warp = (
         use_dot and asm and not prefetch and _head_factor(view) == 1 and num_warps in (None, 1)
     )
     if num_warps is None:
         num_warps = 1 if one_warp else 4
     if swap is None:
-        swap = (
-            use_dot
-            and not prefetch
-            and ablate <= 1
-            and view.dtype in _SWAP_DEFAULT
-        )
+        swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
     if block_n is None:
         if one_warp:
             block_n = 32
@@ -434,20 +499,23 @@ def plan_decode(
             )
     if num_stages is None:
         num_stages = 2
+    num_stages = _check_knob("num_stages", num_stages, 1)
+    block_n = _check_knob("block_n", block_n, 16, pow2=True)
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n, num_warps)
-    if num_splits < 1:
-        raise ValueError(f"`num_splits` = {num_splits}: must be >= 1")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"`block_n` = {block_n}: must be a power of two >= 16")
+    num_splits = _check_knob("num_splits", num_splits, 1)
     _check_fp4_tile(view, block_n)
     if swap and (not use_dot or prefetch or ablate > 1):
         raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
     g = _group(view, num_q_heads)
     if group_pad is None:
         group_pad = max(16, _pow2(g)) if use_dot and not swap else _pow2(g)
-    if group_pad < g or group_pad & (group_pad - 1):
-        raise ValueError(f"`group_pad` = {group_pad}: must be a power of two >= the group {g}")
+    try:
+        group_pad = _check_knob("group_pad", group_pad, g, pow2=True)
+    except ValueError as e:
+        raise ValueError(f"{e} (the query group is {g})") from None
+    if maxnreg is not None:
+        maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(
@@ -464,11 +532,11 @@ def plan_decode(
         num_stages=num_stages,
         use_dot=use_dot,
         prefetch=bool(prefetch),
-        asm=bool(asm) and _asm_ok(view),
+        asm=asm,
         swap=bool(swap),
         ablate=int(ablate),
-        group_pad=int(group_pad),
-        maxnreg=None if maxnreg is None else int(maxnreg),
+        group_pad=group_pad,
+        maxnreg=maxnreg,
         part_out=part_out,
         part_lse=part_lse,
     )
@@ -510,9 +578,12 @@ def _min_block_n(dtype: str) -> int:
 def _check_fp4_tile(view: LayerView, block_n: int) -> None:
     """Refuse FP4 KV tiles shorter than 32 tokens on the GPU (ValueError).
 
-    16-token FP4 tiles gave wrong decode outputs on the H200 (Triton 3.6; any warp count, with
-    and without the word decode); 32-token and larger tiles are exact (run 6 in
-    benches/attention/results). The CPU interpreter runs them correctly, so it may.
+    16-token FP4 tiles gave wrong decode outputs on the H200 (Triton 3.6: relative error 2-3,
+    with 1 and 4 warps, with and without the word decode and transposed dots, head_dim 64 and
+    128); 32-token and larger tiles are exact (run 6, benches/attention/results/run6_h200,
+    ``variant_row_offsets/call5_*``, ``call6_*``). Extend was not tried at 16 tokens; its plans
+    are refused too, as a precaution. The CPU interpreter runs them correctly, so it may. Checked
+    when planning and again at launch (a plan may come from another layer's view).
     """
     if (
         view.dtype in ("nvfp4", "fp4_mx_block16")
@@ -522,7 +593,7 @@ def _check_fp4_tile(view: LayerView, block_n: int) -> None:
     ):
         raise ValueError(
             f"`block_n` = {block_n}: {view.dtype} caches need KV tiles of at least 32 tokens on "
-            "the GPU (16-token FP4 tiles are miscompiled with Triton 3.6 on sm_90)"
+            "the GPU (16-token FP4 decode tiles gave wrong results with Triton 3.6 on the H200)"
         )
 
 
@@ -707,6 +778,18 @@ def decode(
         raise ValueError(f"`plan` was made for {plan.page_table.shape[0]} requests, `q` has {bsz}")
     if plan.group_pad < g:
         raise ValueError(f"`plan` pads the query group to {plan.group_pad} rows, the group is {g}")
+    # a plan may come from a view of another dtype or geometry (it is shared across layers)
+    _check_fp4_tile(view, plan.block_n)
+    if plan.num_splits > 1 and (
+        plan.part_out is None
+        or tuple(plan.part_out.shape) != (bsz, hq, plan.num_splits, view.v_head_dim)
+        or plan.part_out.device != dev
+    ):
+        got = None if plan.part_out is None else tuple(plan.part_out.shape)
+        raise ValueError(
+            f"`plan` split workspace is {got}, this batch needs "
+            f"{(bsz, hq, plan.num_splits, view.v_head_dim)} on {dev} (plan made for another view?)"
+        )
 
     from kvpool.triton_kernels.decode import decode_kernel, merge_kernel
 
@@ -761,7 +844,7 @@ def decode(
         HAS_SINKS=sinks is not None,
         PREFETCH=plan.prefetch,
         ABLATE=plan.ablate,
-        ASM=_asm_mode(plan.asm),
+        ASM=_asm_mode(plan.asm and _asm_ok(view)),
         SWAP=plan.swap,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
@@ -913,7 +996,8 @@ def extend(
 
     if plan is not None:
         block_t, block_n, nw, ns = plan.block_t, plan.block_n, plan.num_warps, plan.num_stages
-        asm = plan.asm
+        _check_fp4_tile(view, block_n)  # the plan may come from a view of another dtype
+        asm = plan.asm and _asm_ok(view)
         work = plan.work
         grid0 = work.shape[0]
         blocks_per_req = 1
