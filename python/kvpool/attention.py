@@ -457,7 +457,7 @@ def plan_decode(
         ``ablate > 1``. The message names the value.
     """
     _check_view(view)
-    _group(view, num_q_heads)
+    g = _group(view, num_q_heads)
     dev = view.k.device
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
@@ -507,7 +507,6 @@ def plan_decode(
     _check_fp4_tile(view, block_n)
     if swap and (not use_dot or prefetch or ablate > 1):
         raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
-    g = _group(view, num_q_heads)
     if group_pad is None:
         group_pad = max(16, _pow2(g)) if use_dot and not swap else _pow2(g)
     try:
