@@ -85,3 +85,17 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B"])
+def test_size_names_the_model(capsys, model):
+    """The report's first line names the model asked for (a loop variable in the config parser
+    once shadowed the name, and every model printed as `index_topk`)."""
+    from kvpool.config import ModelSpec
+
+    assert ModelSpec.from_pretrained(model).name == model
+    assert ModelSpec.from_dict({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                "hidden_size": 256}, name="mine").name == "mine"
+    rc = main(["size", model, "--total-memory", "16", "--weights", "0"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert rc == 0 and first.startswith(f"{model}: ")

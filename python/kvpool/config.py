@@ -234,10 +234,10 @@ class ModelSpec:
                 "indexer cache (DeepSeek-V3.2 style), which kvpool does not size yet; refusing "
                 "rather than under-counting its bytes"
             )
-        for name in ("index_n_heads", "index_topk"):
-            if f.has(name):
+        for key in ("index_n_heads", "index_topk"):
+            if f.has(key):
                 raise ModelConfigError(
-                    f"`{name}` = {f.get(name)}: sparse-attention indexer configs are not sized yet"
+                    f"`{key}` = {f.get(key)}: sparse-attention indexer configs are not sized yet"
                 )
         num_layers = f.int("num_hidden_layers")
         if not 0 < num_layers <= _MAX_LAYERS:
