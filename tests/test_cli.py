@@ -69,6 +69,10 @@ def test_import_and_size_without_torch():
     (["--total-memory", "inf"], "GiB"),
     (["--total-memory", "16", "--page-size", "99999999999999999999"], "page_size"),
     (["--total-memory", "16", "--context-len", "0"], "context-len"),
+    # found by the user review of 2026-11-29: these printed the SGLang lines before failing
+    # (context), or said ">= 0" for a page size whose minimum is 1
+    (["--total-memory", "16", "--context-len", str(1 << 64)], "--context-len must be in"),
+    (["--total-memory", "16", "--page-size", "-1"], "`page_size` must be >= 1, got -1"),
 ])
 def test_cli_bad_numbers_exit_2(args, text, capsys):
     with pytest.raises(SystemExit) if args[1] == "inf" else _nullcontext():
@@ -99,3 +103,17 @@ def test_size_names_the_model(capsys, model):
     rc = main(["size", model, "--total-memory", "16", "--weights", "0"])
     first = capsys.readouterr().out.splitlines()[0]
     assert rc == 0 and first.startswith(f"{model}: ")
+
+
+@pytest.mark.parametrize("model, text", [
+    ("", "`model` is an empty string"),  # was: "model directory `.` has no config.json"
+    ("latin1", "is not UTF-8 text"),  # was: a bare UnicodeDecodeError naming no file
+])
+def test_cli_bad_model_names_it(model, text, tmp_path, capsys):
+    if model == "latin1":
+        model = str(tmp_path / "config.json")
+        (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    rc = main(["size", model, "--total-memory", "16", "--weights", "0"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "ModelConfigError" in captured.err and text in captured.err
+    assert captured.out == ""

@@ -237,3 +237,39 @@ def test_mla_config_needs_no_hidden_size():
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 16, "kv_lora_rank": 512,
            "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
     assert kvpool.size_for(cfg, "bf16", **OK).bytes_per_token == 2 * 576 * 2
+
+
+def _next_config():
+    import json
+    from importlib import resources
+
+    f = resources.files("kvpool").joinpath("models", "Qwen--Qwen3-Next-80B-A3B-Thinking.json")
+    return json.loads(f.read_text())
+
+
+@pytest.mark.parametrize("patch, text", [
+    # was: OverflowError "can't convert negative int to unsigned" (conv state of -1 inputs)
+    ({"linear_conv_kernel_dim": 0}, "`linear_conv_kernel_dim` must be positive, got 0"),
+    # was: silently sized as fp32 state
+    ({"mamba_ssm_dtype": "int4"}, "unknown `mamba_ssm_dtype` 'int4'"),
+])
+def test_malformed_linear_attention_fields(patch, text):
+    with pytest.raises(kvpool.ModelConfigError, match=text):
+        kvpool.size_for({**_next_config(), **patch}, "bf16", tp_size=8, **OK)
+
+
+def test_linear_state_by_hand():
+    """Qwen3-Next at tp 8: conv (2*2*128 + 4*128) * (4-1) * 2 B = 6,144; ssm 4*128*128*4 B =
+    262,144; 36 linear layers -> 9,658,368 B per request; 12 full layers x 1 KV head x 256 x 2
+    (K, V) x 2 B = 12,288 B per token in bf16."""
+    plan = kvpool.size_for(_next_config(), "bf16", tp_size=8, **OK)
+    assert plan.linear_state_bytes() == 36 * (6_144 + 262_144) == 9_658_368
+    assert plan.bytes_per_token == 12_288
+    cfg = {**_next_config(), "mamba_ssm_dtype": "bfloat16"}
+    assert kvpool.size_for(cfg, "bf16", tp_size=8, **OK).linear_state_bytes() == 36 * (
+        6_144 + 131_072)
+
+
+def test_empty_model_name_from_pretrained():
+    with pytest.raises(kvpool.ModelConfigError, match="empty string"):
+        kvpool.ModelSpec.from_pretrained("  ")

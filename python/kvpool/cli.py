@@ -98,8 +98,8 @@ def _size(args: argparse.Namespace, console: Console) -> int:
         model_dtype=args.model_dtype,
     )
     context = 8192 if args.context_len is None else args.context_len
-    if context <= 0:
-        raise ValueError(f"--context-len must be positive, got {context}")
+    if not 0 < context < 1 << 64:
+        raise ValueError(f"--context-len must be in 1..2^64-1, got {context}")
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     plans = kvpool.compare(spec, dtypes, **kw)
     if args.json:

@@ -62,9 +62,11 @@ def bundled_models() -> list[str]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ModelConfigError(f"cannot read model config `{path}`: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ModelConfigError(f"model config `{path}` is not UTF-8 text: {e}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -180,6 +182,8 @@ class ModelSpec:
         ModelConfigError
             Unknown name, unreadable or malformed file, missing or inconsistent fields.
         """
+        if isinstance(model, str) and not model.strip():
+            raise ModelConfigError("`model` is an empty string")
         p = Path(os.fspath(model))
         if p.suffix == ".gguf":
             from kvpool.gguf import spec_from_gguf
@@ -454,12 +458,18 @@ def _model_dtype(f: _Fields, override: str | None) -> tuple[str, str]:
 
 
 def _linear_attention(f: _Fields) -> dict[str, Any]:
-    ssm_dtype = _DTYPE_NAMES.get(str(f.get("mamba_ssm_dtype", "float32")).lower(), "fp32")
+    raw = f.get("mamba_ssm_dtype", "float32")
+    ssm_dtype = _DTYPE_NAMES.get(str(raw).lower())
+    if ssm_dtype is None:
+        raise ModelConfigError(f"unknown `mamba_ssm_dtype` {raw!r} in model config")
+    conv_kernel = f.int("linear_conv_kernel_dim")
+    if conv_kernel == 0:
+        raise ModelConfigError("`linear_conv_kernel_dim` must be positive, got 0")
     return {
         "num_key_heads": f.int("linear_num_key_heads"),
         "num_value_heads": f.int("linear_num_value_heads"),
         "key_head_dim": f.int("linear_key_head_dim"),
         "value_head_dim": f.int("linear_value_head_dim"),
-        "conv_kernel": f.int("linear_conv_kernel_dim"),
+        "conv_kernel": conv_kernel,
         "ssm_dtype_bytes": DTYPE_BYTES[ssm_dtype],
     }

@@ -325,7 +325,7 @@ def size_for(
         The budget cannot hold one page (the message says how many bytes are missing).
     """
     spec = _spec(model, model_dtype)
-    page_size = _int("page_size", page_size, exc=_core.LayoutError)
+    page_size = _int("page_size", page_size, minimum=1, exc=_core.LayoutError)
     tp_size = _int("tp_size", tp_size, minimum=1, exc=_core.ModelConfigError)
     geometry = spec.geometry(tp_size)
     kw: dict[str, Any] = dict(
