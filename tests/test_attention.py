@@ -474,6 +474,32 @@ def test_errors_name_the_argument():
         attention.decode(cache.view, q)
 
 
+def test_reference_path_refuses_pages_outside_the_pool():
+    """Found by the user review of 2026-11-29: on the torch path a page id of -1 wrapped to the
+    pool's last rows silently, one past the end raised a bare IndexError from torch, and a
+    seq_len beyond the page table did the same."""
+    cache = Cache("bf16", [4], heads=2, d=16, page=4)  # 1 + 1 + 3 extra pages = 5 pages
+    q = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    assert cache.page_table.shape == (1, 3) and cache.view.k.shape[0] == 5 * 4
+    for bad in (-1, 5, 1 << 30):
+        pt = cache.page_table.clone()
+        pt[0, 0] = bad
+        for call in (
+            lambda: attention.decode(cache.view, q, pt, cache.seq_lens, backend="torch"),
+            lambda: attention.extend(cache.view, q, torch.tensor([0, 1], dtype=torch.int32), pt,
+                                     cache.seq_lens, backend="torch"),
+        ):
+            with pytest.raises(ValueError, match=rf"`page_table\[0, 0\]` = {bad} is outside the "
+                                                 r"pool's pages 0\.\.4"):
+                call()
+    pt = cache.page_table.clone()
+    pt[0, 0] = 4  # the last page is fine
+    attention.decode(cache.view, q, pt, cache.seq_lens, backend="torch")
+    with pytest.raises(ValueError, match=r"`seq_lens\[0\]` = 13 exceeds the page table's 3 pages"):
+        attention.decode(cache.view, q, cache.page_table, torch.tensor([13], dtype=torch.int32),
+                         backend="torch")
+
+
 # ----------------------------------------------------------------------------- Triton, interpreted
 
 interpret = pytest.mark.interpret

@@ -1107,9 +1107,26 @@ def _attend(q, k, v, pos, *, sm_scale, window, sinks, softcap):
 
 
 def _slots(view: LayerView, page_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    ps = view.page_size
+    width = page_table.shape[1]
+    if n > width * ps:
+        raise ValueError(
+            f"`seq_lens[{b}]` = {n} exceeds the page table's {width} pages x page_size {ps} "
+            f"= {width * ps} tokens"
+        )
     pos = torch.arange(n, device=page_table.device)
-    pages = page_table[b, pos // view.page_size].long()
-    return pages * view.page_size + pos % view.page_size
+    pages = page_table[b, pos // ps].long()
+    # the reference path reads on the host anyway: a page id outside the pool would index
+    # out of range (an IndexError from deep in torch) or, when negative, wrap silently
+    num_pages = view.k.shape[0] // ps
+    bad = ((pages < 0) | (pages >= num_pages)).nonzero()
+    if len(bad):
+        i = int(bad[0, 0]) // ps
+        raise ValueError(
+            f"`page_table[{b}, {i}]` = {int(page_table[b, i])} is outside the pool's pages "
+            f"0..{num_pages - 1}"
+        )
+    return pages * ps + pos % ps
 
 
 def reference_decode(
