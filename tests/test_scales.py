@@ -204,6 +204,11 @@ def test_kvb10_json_errors(tmp_path):
     extra["kv_cache"]["scaling_factor"]["0"]["7"] = 1.0
     with pytest.raises(ValueError, match=r"scales for layers \[7\], the model has 2"):
         scales.load_json_scales(pool, extra)
+    # a rank holding a list instead of {layer: scale} was an AttributeError (user review)
+    flat = json.loads(json.dumps(KVB10))
+    flat["kv_cache"]["scaling_factor"]["0"] = [0.5, 0.25]
+    with pytest.raises(ValueError, match=r"tp rank 0 holds \[0.5, 0.25\], expected"):
+        scales.load_json_scales(pool, flat)
     assert pool.scales_source is None
     with pytest.raises(ValueError, match="`dtype` = 'int8'"):
         scales.read_json_scales({"kv_cache": {"dtype": "int8", "scaling_factor": {}}})

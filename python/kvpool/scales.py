@@ -310,9 +310,15 @@ def read_json_scales(
         raise ValueError(
             f"scale file {where}: no scales for tp rank {tp_rank} (ranks in the file: {ranks})"
         )
+    layers = by_rank[str(tp_rank)]
+    if not isinstance(layers, Mapping):
+        raise ValueError(
+            f"scale file {where}: tp rank {tp_rank} holds {layers!r}, expected "
+            '{"<layer>": s or [k, v]}'
+        )
     k: dict[int, float] = {}
     v: dict[int, float] = {}
-    for key, s in by_rank[str(tp_rank)].items():
+    for key, s in layers.items():
         try:
             layer = int(key)
         except ValueError:
