@@ -273,3 +273,25 @@ def test_linear_state_by_hand():
 def test_empty_model_name_from_pretrained():
     with pytest.raises(kvpool.ModelConfigError, match="empty string"):
         kvpool.ModelSpec.from_pretrained("  ")
+
+
+@pytest.mark.parametrize("size", ["true", "-5", "0", "Infinity", "NaN", "1.5", "1e30", '"16"'])
+def test_checkpoint_index_total_size_must_be_bytes(size, tmp_path):
+    """Found by the user review of 2026-11-29: `true` sized the pool with 1 byte of weights,
+    -5 gave 'available exceeds total', Infinity a bare OverflowError naming no file."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text('{"metadata": {"total_size": %s}}' % size)
+    with pytest.raises(kvpool.ModelConfigError, match="metadata.total_size"):
+        kvpool.size_for(tmp_path, "bf16", mem_frac=0.5, total_memory=2 * GIB)
+
+
+def test_checkpoint_index_total_size_is_used(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    index = tmp_path / "model.safetensors.index.json"
+    for size in ("1073741824", "1073741824.0"):
+        index.write_text('{"metadata": {"total_size": %s}}' % size)
+        plan = kvpool.size_for(tmp_path, "bf16", mem_frac=0.5, total_memory=4 * GIB)
+        # available 4 - 1 GiB of weights; budget = 3 GiB - 4 GiB * (1 - 0.5) = 1 GiB
+        assert plan.budget.weights == GIB and plan.budget.weights_source == "checkpoint"
+        assert plan.budget.budget == GIB

@@ -28,9 +28,22 @@ def checkpoint_bytes(spec: ModelSpec) -> int | None:
     index = spec.path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            return int(json.loads(index.read_text())["metadata"]["total_size"])
+            size = json.loads(index.read_text())["metadata"]["total_size"]
         except (KeyError, ValueError, TypeError) as e:
             raise ModelConfigError(f"`{index}` has no usable metadata.total_size: {e}") from None
+        # a bool, a negative, non-integral or non-finite number would size the pool from a
+        # nonsense weight figure (true counted as 1 byte of weights)
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, (int, float))
+            or not 0 < size < 1 << 60
+            or size != int(size)
+        ):
+            raise ModelConfigError(
+                f"`{index}`: metadata.total_size = {size!r} is not a whole number of bytes "
+                "in 1..2^60"
+            )
+        return int(size)
     single = spec.path / "model.safetensors"
     return single.stat().st_size if single.is_file() else None
 
