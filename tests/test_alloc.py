@@ -217,5 +217,8 @@ def test_batch_errors_name_the_request_and_leave_outputs_alone():
         kvpool.extend_slots(table.astype(np.int64), i32(0), i32(1), 2)
     with pytest.raises(ArrayTypeError, match="`seq_lens`"):
         kvpool.decode_slots(table, np.array([1.0]), 2)
+    # was "`seq_lens - 1[0]` is negative: `-1`" (user review)
+    with pytest.raises(BatchError, match=r"`seq_lens\[0\]` = 0: a decode step needs at least one"):
+        kvpool.decode_slots(table, i32(0), 2)
     with pytest.raises(ValueError, match="page_size"):
         kvpool.pages_needed(i32(0), i32(1), -1)

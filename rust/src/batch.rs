@@ -42,6 +42,8 @@ pub enum BatchError {
         index: usize,
         value: i64,
     },
+    #[error("`seq_lens[{index}]` = {value}: a decode step needs at least one token (its own)")]
+    EmptyDecode { index: usize, value: i64 },
     #[error("request {index}: `seq_lens` {seq} is below `prefix_lens` {prefix}")]
     SeqBeforePrefix { index: usize, prefix: i64, seq: i64 },
     #[error("request {index} needs {pages} pages, but the page table has `max_pages` = {max_pages} columns")]
@@ -304,7 +306,7 @@ pub fn extend_slots(
 /// `out` (length B).
 ///
 /// # Errors
-/// [`BatchError::Negative`] for `seq < 1`, and as [`extend_slots`].
+/// [`BatchError::EmptyDecode`] for `seq < 1`, and as [`extend_slots`].
 pub fn decode_slots(
     table: &[i32],
     max_pages: usize,
@@ -332,11 +334,7 @@ pub fn decode_slots(
     }
     for (index, &s) in seq.iter().enumerate() {
         if s < 1 {
-            return Err(BatchError::Negative {
-                what: "seq_lens - 1",
-                index,
-                value: s - 1,
-            });
+            return Err(BatchError::EmptyDecode { index, value: s });
         }
         slot(table, max_pages, index, s - 1, page_size)?;
     }
@@ -430,7 +428,7 @@ mod tests {
         assert_eq!(t, vec![1, 0]);
         assert!(matches!(
             decode_slots(&[1], 1, &[0], 1, &mut [0]),
-            Err(BatchError::Negative { .. })
+            Err(BatchError::EmptyDecode { index: 0, value: 0 })
         ));
         assert!(matches!(
             extend_slots(&[i32::MAX], 1, &[0], &[1], 2, &mut [0]),
