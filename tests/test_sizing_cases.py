@@ -268,6 +268,15 @@ def test_sglang_line():
         "KV Cache is allocated. dtype: bf16, #tokens: 81919, K size: 5.00 GB, V size: 5.00 GB")
 
 
+def test_sglang_line_mla():
+    """MLA keeps one latent per token and layer; SGLang's MLA pool logs it as `KV size` (this
+    printed `K size: 4.29 GB, V size: 0.00 GB`). 65,536 rows x 61 layers x 576 x 2 B = 4.29 GiB."""
+    plan = kvpool.size_for("deepseek-ai/DeepSeek-V3", "bf16", num_tokens=65_535)
+    assert 65_536 * 61 * 576 * 2 / GIB == pytest.approx(4.2891, abs=1e-4)
+    assert plan.sglang_line() == (
+        "KV Cache is allocated. dtype: bf16, #tokens: 65535, KV size: 4.29 GB")
+
+
 def test_weights_estimate_llama_8b():
     from kvpool.weights import estimate_weight_bytes, parameter_counts
 

@@ -145,10 +145,16 @@ class Plan:
         """SGLang's allocation log line.
 
         GB there means GiB; #tokens excludes the padding page, K/V sizes include it and each
-        tensor's block scales.
+        tensor's block scales. MLA models have one latent buffer per layer, logged as ``KV size``
+        (as SGLang's MLA pool does) instead of ``K size`` / ``V size: 0.00 GB``.
         """
         k = sum(b.nbytes for b in self.buffers if b.tensor in ("k", "kv") and b.role != "workspace")
         v = sum(b.nbytes for b in self.buffers if b.tensor == "v" and b.role != "workspace")
+        if self.spec.is_mla:  # SGLang's MLA pool logs one latent buffer: "KV size"
+            return (
+                f"KV Cache is allocated. dtype: {self.dtype}, #tokens: {self.num_tokens}, "
+                f"KV size: {k / GIB:.2f} GB"
+            )
         return (
             f"KV Cache is allocated. dtype: {self.dtype}, #tokens: {self.num_tokens}, "
             f"K size: {k / GIB:.2f} GB, V size: {v / GIB:.2f} GB"
