@@ -318,3 +318,32 @@ def test_fp8_checkpoint_weights_are_one_byte():
     bf16 = estimate_weight_bytes(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-30B-A3B"))
     fp8 = estimate_weight_bytes(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-30B-A3B-FP8"))
     assert 0.5 < fp8 / bf16 < 0.53  # embeddings and norms stay bf16
+
+
+def test_weights_estimate_counts_the_vision_tower():
+    """Qwen2.5-VL-7B: the vision tower (0.68 B parameters) was missing from the estimate, so the
+    pool of a vision-language model was sized 1.35 GB too large with estimated weights."""
+    from kvpool.weights import estimate_weight_bytes, parameter_counts, vision_parameters
+
+    spec = kvpool.ModelSpec.from_pretrained("Qwen/Qwen2.5-VL-7B-Instruct")
+    # the tower's layers (Qwen2.5-VL modeling code), worked out by hand:
+    patch = 3 * 2 * 14 * 14 * 1280  # Conv3d, no bias
+    qkv, proj = 1280 * 3840 + 3840, 1280 * 1280 + 1280
+    mlp = 2 * (1280 * 3420 + 3420) + 3420 * 1280 + 1280  # gate, up, down (silu: gated)
+    block = 2 * 1280 + qkv + proj + mlp  # two RMSNorms (weight only)
+    merger = 1280 + 5120 * 5120 + 5120 + 5120 * 3584 + 3584
+    exact = patch + 32 * block + merger
+    assert exact == 676_550_144
+    # the estimate counts a bias for every norm (an upper bound): 32 x 2 x 1280 + 1280 more
+    assert vision_parameters(spec.fields.get("vision_config")) == exact + 32 * 2 * 1280 + 1280
+    counts = parameter_counts(spec)
+    # published total 8,292,166,656 (the text part here leaves out Qwen2's q/k/v biases)
+    assert sum(counts.values()) / 8_292_166_656 == pytest.approx(1, abs=1e-4)
+    text = {k: v for k, v in counts.items() if k != "vision"}
+    assert estimate_weight_bytes(spec) == 2 * (sum(text.values()) + counts["vision"])
+    # a text-only model has none; a malformed vision_config is named
+    assert parameter_counts(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-8B"))["vision"] == 0
+    with pytest.raises(kvpool.ModelConfigError, match="vision_config.depth"):
+        vision_parameters({"depth": -1, "hidden_size": 8, "patch_size": 2})
+    with pytest.raises(kvpool.ModelConfigError, match="`vision_config` must be a dict"):
+        vision_parameters([1])

@@ -1,11 +1,13 @@
 """Weight bytes of a model: from the checkpoint's index when there is one, else estimated.
 
 The estimate counts parameters from ``config.json`` (embeddings, attention in its MHA/GQA, MLA or
-gated-DeltaNet form, dense or MoE MLPs, norms) and prices them by the checkpoint's format: the
+gated-DeltaNet form, dense or MoE MLPs, norms; the vision tower of a vision-language config) and
+prices them by the checkpoint's format: the
 model dtype, or for FP8 checkpoints (``quantization_config.quant_method == "fp8"``) one byte per
 quantized linear weight plus one fp32 scale per 128x128 block, for MXFP4 (gpt-oss) 4.25 bits per
-expert weight. Embeddings, norms and routers stay in the model dtype. For Llama-3.1-8B it gives
-8,030,261,248 parameters, the published count.
+expert weight. Embeddings, norms, routers and the vision tower stay in the model dtype. For
+Llama-3.1-8B it gives 8,030,261,248 parameters, the published count; for Qwen2.5-VL-7B
+8,292,120,832 (published 8,292,166,656: within 0.001%).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     """Parameters by group.
 
     ``embed`` (embeddings and LM head), ``norms`` (norms and routers, kept in the model dtype),
-    ``linear`` (attention and dense/shared MLP weights), ``experts`` (routed MoE expert weights).
+    ``linear`` (attention and dense/shared MLP weights), ``experts`` (routed MoE expert weights),
+    ``vision`` (the vision tower of a ``vision_config``, see :func:`vision_parameters`).
     """
     f = spec.fields
     hidden = f.int("hidden_size")
@@ -65,6 +68,7 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
         "norms": hidden,
         "linear": 0,
         "experts": 0,
+        "vision": vision_parameters(f.get("vision_config")),
     }
     n_experts = f.int("num_experts", default=0) or f.int("n_routed_experts", default=0)
     n_experts = n_experts or f.int("num_local_experts", default=0)
@@ -102,13 +106,56 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     return counts
 
 
+def vision_parameters(v) -> int:
+    """Parameters of a ViT vision tower described by a ``vision_config`` dict (0 if there is none).
+
+    Qwen2-VL-family layout: a patch embedding (``in_chans x temporal_patch_size x patch_size^2 x
+    hidden``), ``depth`` blocks of fused-qkv attention (``4 hidden^2`` + biases), an MLP gated when
+    ``hidden_act`` is ``silu`` (gate/up/down, ``3 hidden x intermediate``) else two layers, two
+    norms (counted with biases: an upper bound where the model uses RMSNorm), learned position
+    embeddings (``num_position_embeddings x hidden``) and the patch merger
+    (``spatial_merge_size^2`` patches into one: norm, ``m x m`` and ``m x out_hidden_size`` with
+    ``m = spatial_merge_size^2 x hidden``). Without it the pool of a vision-language model is sized
+    with the tower's weights missing (Qwen2.5-VL-7B: 0.68 B parameters, 1.35 GB in bf16).
+
+    Raises
+    ------
+    ModelConfigError
+        ``vision_config`` is not a dict or a field is not a non-negative int.
+    """
+    if v is None:
+        return 0
+    if not isinstance(v, dict):
+        raise ModelConfigError(f"`vision_config` must be a dict, got {type(v).__name__}")
+
+    def num(key: str, default: int | None = None) -> int:
+        x = v.get(key, default)
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ModelConfigError(f"`vision_config.{key}` = {x!r}: must be a non-negative int")
+        return x
+
+    if "depth" not in v or "hidden_size" not in v:
+        return 0  # not a ViT description this estimate knows
+    h, depth = num("hidden_size"), num("depth")
+    inter = num("intermediate_size", 4 * h)
+    gated = v.get("hidden_act") == "silu"
+    mlp = (3 * h * inter + 2 * inter + h) if gated else (2 * h * inter + inter + h)
+    block = 4 * h * h + 4 * h + mlp + 4 * h  # qkv + proj with biases, MLP, two norms
+    chans = num("in_chans", num("in_channels", 3))
+    patch = chans * num("temporal_patch_size", 1) * num("patch_size") ** 2 * h
+    out = num("out_hidden_size", h)
+    m = num("spatial_merge_size", 1) ** 2 * h
+    merger = 2 * h + m * m + m + m * out + out
+    return depth * block + patch + merger + num("num_position_embeddings", 0) * h
+
+
 def estimate_weight_bytes(spec: ModelSpec) -> int:
     """Estimated bytes of the model's weights on one device (no TP split), see module doc."""
     c = parameter_counts(spec)
     wb = DTYPE_BYTES[spec.dtype]
     q = spec.fields.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
-    plain = (c["embed"] + c["norms"]) * wb
+    plain = (c["embed"] + c["norms"] + c["vision"]) * wb
     if method == "fp8":
         # 1 byte per weight + one fp32 scale per 128x128 block.
         per = 1 + 4 / (128 * 128)
