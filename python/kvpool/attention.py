@@ -76,6 +76,7 @@ _STORAGE = {
     "nvfp4": torch.uint8,
     "fp4_mx_block16": torch.uint8,
 }
+_FP4 = ("nvfp4", "fp4_mx_block16")
 _Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SM_COUNT: dict[int, int] = {}
 
@@ -116,7 +117,7 @@ def _check_view(view: LayerView) -> None:
         raise ValueError(
             f"`view.dtype` = {view.dtype!r} is not a KV dtype ({', '.join(_KERNEL_FORMAT)})"
         )
-    fp4 = view.dtype in ("nvfp4", "fp4_mx_block16")
+    fp4 = view.dtype in _FP4
     h, d, dv = view.num_kv_heads, view.head_dim, view.v_head_dim
     want = _STORAGE[view.dtype]
     _check("view.k", view.k, shape=[None, h, d // 2 if fp4 else d], dtype=want)
@@ -571,7 +572,8 @@ class ExtendPlan:
 
 
 def _min_block_n(dtype: str) -> int:
-    return 32 if dtype in ("nvfp4", "fp4_mx_block16") else 16
+    """Shortest KV tile the GPU kernels run for ``dtype`` (see :func:`_check_fp4_tile`)."""
+    return 32 if dtype in _FP4 else 16
 
 
 def _check_fp4_tile(view: LayerView, block_n: int) -> None:
@@ -584,12 +586,7 @@ def _check_fp4_tile(view: LayerView, block_n: int) -> None:
     are refused too, as a precaution. The CPU interpreter runs them correctly, so it may. Checked
     when planning and again at launch (a plan may come from another layer's view).
     """
-    if (
-        view.dtype in ("nvfp4", "fp4_mx_block16")
-        and block_n < 32
-        and view.k.is_cuda
-        and not _interpreting()
-    ):
+    if block_n < _min_block_n(view.dtype) and view.k.is_cuda and not _interpreting():
         raise ValueError(
             f"`block_n` = {block_n}: {view.dtype} caches need KV tiles of at least 32 tokens on "
             "the GPU (16-token FP4 decode tiles gave wrong results with Triton 3.6 on the H200)"

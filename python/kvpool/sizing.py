@@ -150,15 +150,10 @@ class Plan:
         """
         k = sum(b.nbytes for b in self.buffers if b.tensor in ("k", "kv") and b.role != "workspace")
         v = sum(b.nbytes for b in self.buffers if b.tensor == "v" and b.role != "workspace")
-        if self.spec.is_mla:  # SGLang's MLA pool logs one latent buffer: "KV size"
-            return (
-                f"KV Cache is allocated. dtype: {self.dtype}, #tokens: {self.num_tokens}, "
-                f"KV size: {k / GIB:.2f} GB"
-            )
-        return (
-            f"KV Cache is allocated. dtype: {self.dtype}, #tokens: {self.num_tokens}, "
-            f"K size: {k / GIB:.2f} GB, V size: {v / GIB:.2f} GB"
-        )
+        head = f"KV Cache is allocated. dtype: {self.dtype}, #tokens: {self.num_tokens}, "
+        if self.spec.is_mla:
+            return head + f"KV size: {k / GIB:.2f} GB"
+        return head + f"K size: {k / GIB:.2f} GB, V size: {v / GIB:.2f} GB"
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure of the plan, in bytes and tokens (JSON-ready)."""
