@@ -563,6 +563,20 @@ def test_decode_interpret_options(opts, splits):
 
 
 @interpret
+@pytest.mark.parametrize("dtype, swap", [("fp8_e4m3", True), ("nvfp4", False), ("bf16", True)])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("opts", [{}, {"window": 19}])
+def test_decode_interpret_page_ahead(dtype, swap, page, opts):
+    """num_stages >= 3 loads each tile's page ids one tile ahead (both loops): every length
+    ends mid-tile or mid-page, splits start mid-page, the window moves the first tile."""
+    cache = Cache(dtype, [1, 21, 16, 70], heads=2, d=32, page=page, heavy=True)
+    kw = {"num_splits": 3, "block_n": 32 if dtype == "nvfp4" else 16, "num_stages": 3,
+          "swap": swap, "asm": dtype in WORDS}
+    out, ref = run_decode(cache, 4, backend="triton", plan_kw=kw, **opts)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@interpret
 def test_decode_interpret_default_plan_and_group_not_pow2():
     cache = Cache("fp16", [9, 30], heads=2, d=16, page=4)
     out, ref = run_decode(cache, 6, backend="triton")  # G = 3, planned inside
@@ -774,15 +788,21 @@ def test_default_splits_wave_model(monkeypatch):
     assert ds(1, 8, 32768, "cpu", 128, 4) == 128
     assert ds(1, 8, 1000, "cpu", 16, 1) == 7
     assert ds(1, 8, 100, "cpu", 16, 1) == 1
+    # fp8 one-warp ring (16-token tiles, 3 stages, 128 registers): 16 programs per SM = 2,112
+    # slots. B=64/8k, 512 programs: s=3 -> 1,536 programs, chunk 2736 (171 tiles), one wave x
+    # (2736 + 8) = 2744; s=4 -> 2,048 programs, one wave x (2048 + 8) = 2056; s=5 -> 2,560, two
+    # waves x (1648 + 8); s=8 -> 4,096, two waves x 1032 = 2064: 4 wins
+    assert ds(64, 8, 8192, "cpu", 16, 1, 16) == 4
+    assert ds(64, 8, 8192, "cpu", 16, 1) == 3  # 12 per SM: s=4 would be 1.3 waves
 
 
 @pytest.mark.parametrize(
     "dtype, d, b, expect",
     [
         # (num_warps, block_n, swap, group_pad)
-        ("fp8_e4m3", 128, 64, (1, 32, True, 4)),
-        ("fp8_e5m2", 128, 64, (1, 32, True, 4)),
-        ("fp8_e4m3", 128, 1, (1, 16, True, 4)),  # latency-bound: 16-token tiles
+        ("fp8_e4m3", 128, 64, (1, 16, True, 4)),  # 16-token tiles, 3 stages (run 7)
+        ("fp8_e5m2", 128, 64, (1, 16, True, 4)),
+        ("fp8_e4m3", 128, 1, (1, 16, True, 4)),
         ("nvfp4", 128, 64, (1, 32, False, 16)),
         ("fp4_mx_block16", 64, 64, (1, 32, False, 16)),
         ("bf16", 128, 64, (4, 64, True, 4)),
@@ -798,6 +818,8 @@ def test_plan_decode_defaults(dtype, d, b, expect):
     assert (plan.num_warps, plan.block_n, plan.swap, plan.group_pad) == expect
     assert plan.asm == (dtype not in ("bf16", "fp32"))
     assert plan.maxnreg is None
+    one_warp_fp8 = dtype.startswith("fp8") and plan.num_warps == 1
+    assert plan.num_stages == (3 if one_warp_fp8 else 2)
 
 
 def test_plan_decode_knobs_and_errors():

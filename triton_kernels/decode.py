@@ -357,6 +357,7 @@ def decode_kernel(
     ABLATE: tl.constexpr,
     ASM: tl.constexpr,
     SWAP: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     """Grid ``(B, H_kv, num_splits)``. ``FINAL`` (num_splits == 1): write the normalized output;
     else the split's normalized partial output and log2-sum-exp for ``merge_kernel``.
@@ -367,7 +368,10 @@ def decode_kernel(
     dequantized, consumed by row sums: costs shuffles of its own), 3 = dequantization and dots
     (raw loads only). fp32 caches use 3-pass tf32 dots (fp32-level accuracy on tensor cores).
     ``SWAP`` (with ``USE_DOT``; no ``PREFETCH``, ``ABLATE`` 0 or 1): transposed dots, the KV tile
-    as the MMA's M side.
+    as the MMA's M side. ``PAGE_AHEAD`` (no ``PREFETCH``): the page ids of tile ``i + 1`` are
+    loaded during tile ``i``, so the K/V loads of a tile do not wait on a load of their own
+    iteration and Triton's pipeliner can keep ``num_stages - 1`` tiles in flight (without it the
+    page-id load takes one of the stages and the ring stays one tile deep).
     """
     b = tl.program_id(0)
     hk = tl.program_id(1)
@@ -416,10 +420,18 @@ def decode_kernel(
         # on [BLOCK_N, GP] instead of [16, BLOCK_N].
         qt = tl.trans(q)  # [D, GP]
         acc_t = tl.zeros([DV, GP], tl.float32)
+        if PAGE_AHEAD:
+            t0 = start + tl.arange(0, BLOCK_N)
+            page_a = tl.load(pt_row + (t0 >> page_shift), mask=t0 < end, other=0)
         for s in range(start, end, BLOCK_N):
             t = s + tl.arange(0, BLOCK_N)
             tm = t < end
-            page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+            if PAGE_AHEAD:
+                page = page_a
+                t1 = t + BLOCK_N
+                page_a = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
+            else:
+                page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
             slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
             kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
             k = dequant(
@@ -458,6 +470,9 @@ def decode_kernel(
             vx, vs = load_raw(V, VBS, slot, tm, hk, stride_vr, stride_vbr, DV, FMT, ASM)
             t1 = t + BLOCK_N
             page_next = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
+        elif PAGE_AHEAD:
+            t0 = start + tl.arange(0, BLOCK_N)
+            page_a = tl.load(pt_row + (t0 >> page_shift), mask=t0 < end, other=0)
 
         for s in range(start, end, BLOCK_N):
             t = s + tl.arange(0, BLOCK_N)
@@ -471,7 +486,12 @@ def decode_kernel(
                 tnn = tn + BLOCK_N
                 page_nn = tl.load(pt_row + (tnn >> page_shift), mask=tnn < end, other=0)
             else:
-                page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+                if PAGE_AHEAD:
+                    page = page_a
+                    t1 = t + BLOCK_N
+                    page_a = tl.load(pt_row + (t1 >> page_shift), mask=t1 < end, other=0)
+                else:
+                    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
                 slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
                 kx, ks = load_raw(K, KBS, slot, tm, hk, stride_kr, stride_kbr, D, FMT, ASM)
             if ABLATE == 3:

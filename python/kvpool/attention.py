@@ -267,6 +267,7 @@ def default_splits(
     device: torch.device,
     block_n: int = 128,
     num_warps: int = 4,
+    programs_per_sm: int | None = None,
 ) -> int:
     """KV splits per request for :func:`decode`.
 
@@ -299,6 +300,10 @@ def default_splits(
         The plan's KV tile in tokens.
     num_warps : int
         The plan's warps per program (1 selects the one-warp limits above).
+    programs_per_sm : int, optional
+        Programs that fit on one multiprocessor, when known better than ``12 / num_warps``
+        (the fp8 one-warp default with 16-token tiles and 3 stages: 128 registers x 32 threads,
+        13 KiB of shared memory, so 16).
 
     Returns
     -------
@@ -311,7 +316,7 @@ def default_splits(
     smax = max(1, min(256 if one_warp else 128, n // (128 if one_warp else 256)))
     if programs <= 16:
         return smax
-    per_sm = max(1, 12 // max(num_warps, 1))
+    per_sm = programs_per_sm or max(1, 12 // max(num_warps, 1))
     slots = per_sm * _num_sms(torch.device(device))
     best, best_cost = 1, None
     for s in range(1, smax + 1):
@@ -348,7 +353,9 @@ class DecodePlan:
     num_splits : int
         KV splits per request (flash-decoding); 1 writes the output directly.
     block_n, num_warps, num_stages : int
-        Kernel tile (tokens per step) and launch options.
+        Kernel tile (tokens per step) and launch options. With ``num_stages >= 3`` (and no
+        ``prefetch``) the kernel loads each tile's page ids one tile ahead, so Triton's pipeliner
+        keeps ``num_stages - 1`` K/V tiles in flight through ``cp.async``.
     use_dot : bool
         Tensor-core dots (query group padded to ``group_pad`` rows) or CUDA-core FMA.
     prefetch : bool
@@ -429,9 +436,9 @@ def plan_decode(
         Override the heuristics (benchmarks, tuning). ``block_n`` is in tokens (a power of two
         >= 16; >= 32 for FP4 caches on the GPU), ``num_warps`` a power of two in 1..32.
         ``asm=True`` is ignored where the word decode does not apply (see :class:`DecodePlan`).
-        The one-warp default (``num_warps=1``, 32-token tiles, 16 for fp8 at <= 16 programs)
-        applies with ``use_dot``, the word decode, no ``prefetch`` and heads <= 128 wide;
-        otherwise 4 warps.
+        The one-warp default (``num_warps=1``; fp8: 16-token tiles and 3 stages, FP4: 32-token
+        tiles and 2 stages) applies with ``use_dot``, the word decode, no ``prefetch`` and heads
+        <= 128 wide; otherwise 4 warps.
     group_pad : int, optional
         Rows the query group is padded to in the kernel: a power of two >= the group
         (``num_q_heads / kv_heads``). Default: ``max(16, group)`` rounded up to a power of two
@@ -488,22 +495,26 @@ def plan_decode(
         num_warps = 1 if one_warp else 4
     if swap is None:
         swap = use_dot and not prefetch and ablate <= 1 and view.dtype in _SWAP_DEFAULT
+    # Run 7 (H200, benches/attention/results/run7_h200): fp8 one-warp programs on 16-token tiles
+    # with 3 stages (page ids one tile ahead: two tiles in flight) use 128 registers instead of
+    # 168-182, so 16 programs share a multiprocessor instead of 11-12: B=64/8k 0.325 ms vs 0.335
+    # (4 splits, one wave), B=16/8k 0.093 vs 0.096 ms, B=1/32k unchanged (35.4 us).
+    fp8_ring = one_warp and fp8 and block_n in (None, 16) and num_stages in (None, 3)
     if block_n is None:
         if one_warp:
-            block_n = 32
-            if fp8 and b * view.num_kv_heads <= 16:
-                block_n = 16  # latency-bound (B=1/32k: 35.8 us vs 37.8 with 32-token tiles)
+            block_n = 16 if fp8_ring else 32
         else:
             block_n = max(
                 _min_block_n(view.dtype),
                 ((128 if fp8 or asm else 64) if use_dot else 32) // _head_factor(view),
             )
     if num_stages is None:
-        num_stages = 2
+        num_stages = 3 if fp8_ring else 2
     num_stages = _check_knob("num_stages", num_stages, 1)
     block_n = _check_knob("block_n", block_n, 16, pow2=True)
     if num_splits is None:
-        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n, num_warps)
+        per_sm = 16 if fp8_ring and swap and maxnreg is None else None
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n, num_warps, per_sm)
     num_splits = _check_knob("num_splits", num_splits, 1)
     _check_fp4_tile(view, block_n)
     if swap and (not use_dot or prefetch or ablate > 1):
@@ -842,6 +853,7 @@ def decode(
         ABLATE=plan.ablate,
         ASM=_asm_mode(plan.asm and _asm_ok(view)),
         SWAP=plan.swap,
+        PAGE_AHEAD=plan.num_stages >= 3 and not plan.prefetch,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
