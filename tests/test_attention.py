@@ -911,6 +911,34 @@ def test_plan_decode_rejects_bad_knobs(kw, msg):
         attention.plan_decode(cache.view, 8, cache.page_table, cache.seq_lens, **kw)
 
 
+@pytest.mark.parametrize(
+    "q_heads, pad, limit",
+    [
+        (8, 512, 256),  # a group of 8 (one KV head): 256 rows is the bound
+        (8, 1 << 40, 256),
+        (512, 1024, 512),  # a group of 512 (one KV head) may only be padded to itself
+    ],
+)
+def test_plan_decode_group_pad_has_an_upper_bound(q_heads, pad, limit, monkeypatch):
+    """`group_pad` had no upper bound: 2^40 rows passed the plan and failed (or spilled) in the
+    compiler. Past 256 rows (four 64-row warpgroup tiles) the rows are padding; a group larger
+    than that keeps its own power of two. The refusal comes before the split workspaces."""
+    cache = Cache("fp8_e4m3", [5, 9], heads=1, d=32, page=16)
+    pt, sl = cache.page_table, cache.seq_lens
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    msg = f"`group_pad` = {pad}: must be at most {limit} (the query group is {q_heads}"
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        attention.plan_decode(cache.view, q_heads, pt, sl, num_splits=4, group_pad=pad)
+    assert allocated == [] and attention.GROUP_PAD_MAX == 256
+    # the bound itself is accepted (and allocates the workspaces), as is the default
+    p = attention.plan_decode(cache.view, q_heads, pt, sl, num_splits=4, group_pad=limit)
+    assert p.group_pad == limit and len(allocated) == 2
+    # fp8 defaults to transposed dots: the group's own power of two, also past 256
+    assert attention.plan_decode(cache.view, q_heads, pt, sl).group_pad == q_heads
+
+
 def test_plan_decode_knobs_accepted_as_exact_ints():
     np = pytest.importorskip("numpy")
     cache = Cache("fp8_e4m3", [5, 9], heads=2, d=32, page=16)

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+import kvpool
 from kvpool.cli import main
 
 GIB = 1 << 30
@@ -117,3 +118,113 @@ def test_cli_bad_model_names_it(model, text, tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 2 and "ModelConfigError" in captured.err and text in captured.err
     assert captured.out == ""
+
+
+def _rows(out):
+    return {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.splitlines() if line.startswith("│")}
+
+
+def _llama_head_dim_72(tmp_path):
+    """The bundled Llama-3.1-8B config.json with `head_dim` 72 (not a multiple of 16: no FP4)."""
+    from importlib import resources
+
+    path = resources.files("kvpool") / "models" / "meta-llama--Llama-3.1-8B.json"
+    config = json.loads(path.read_text()) | {"head_dim": 72}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "config.json")
+
+
+FP4_MSG = ("{} needs head dims that are multiples of 16 (one block scale per 16 values); "
+           "layer 0 has `head_dim` = 72")
+
+
+def test_size_all_lists_the_dtypes_that_fit_and_says_why_not(tmp_path, capsys):
+    """`--kv-cache-dtype all` failed as a whole (exit 2, no table) when one dtype could not be
+    laid out; now that dtype gets a row of `-` and a line with the error, the rest are sized."""
+    model = _llama_head_dim_72(tmp_path)
+    rc = main(["size", model, "--total-memory", "16", "--weights", "0",
+               "--mem-fraction-static", "0.5", "--context-len", "4096"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert rc == 0 and captured.err == ""
+    # 8 GiB = 8,589,934,592 B; bf16: 32 layers x (K + V) x 8 heads x 72 x 2 B = 73,728 B/token,
+    # 8,589,934,592 // 73,728 = 116,508 rows, one the padding row: 116,507 tokens, 28 requests
+    # of 4,096; fp32 147,456 B -> 58,254 rows; fp8 36,864 B + 256 B of per-layer scales ->
+    # (8,589,934,592 - 256) // 36,864 = 233,016 rows
+    rows = _rows(out)
+    assert list(rows) == ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4",
+                          "fp4_mx_block16"]
+    assert rows["fp32"] == ["147,456", "58,253", "0.50x", "14", "8.00"]
+    assert rows["bf16"] == ["73,728", "116,507", "1.00x", "28", "8.00"]
+    assert rows["fp8_e4m3"] == ["36,864", "233,015", "2.00x", "56", "8.00"]
+    assert rows["nvfp4"] == rows["fp4_mx_block16"] == ["-"] * 5
+    for d in ("nvfp4", "fp4_mx_block16"):
+        assert f"{d}: not sized: LayoutError: {FP4_MSG.format(d)}" in out
+        assert f"dtype: {d}," not in out  # no SGLang line for a pool that cannot exist
+    assert "dtype: bf16, #tokens: 116507," in out
+
+
+def test_size_all_json_has_an_error_entry(tmp_path, capsys):
+    model = _llama_head_dim_72(tmp_path)
+    rc = main(["size", model, "--total-memory", "16", "--weights", "0",
+               "--mem-fraction-static", "0.5", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 0 and [d["dtype"] for d in data] == list(kvpool.KV_DTYPES)
+    by = {d["dtype"]: d for d in data}
+    assert by["fp8_e4m3"]["num_tokens"] == 233_015 and "error" not in by["fp8_e4m3"]
+    assert by["bf16"]["requests_fit"] == 116_507 // 8192 == 14
+    assert by["nvfp4"] == {"dtype": "nvfp4", "model": model, "context_len": 8192,
+                           "error": FP4_MSG.format("nvfp4"), "error_type": "LayoutError"}
+
+
+def test_size_one_dtype_that_cannot_be_laid_out_still_fails(tmp_path, capsys):
+    model = _llama_head_dim_72(tmp_path)
+    for extra in ([], ["--json"]):
+        rc = main(["size", model, "--kv-cache-dtype", "nvfp4", "--total-memory", "16",
+                   "--weights", "0", *extra])
+        captured = capsys.readouterr()
+        assert rc == 2 and captured.out == ""
+        assert f"error: LayoutError: {FP4_MSG.format('nvfp4')}" in captured.err
+
+
+def test_size_all_a_budget_too_small_for_one_dtype(capsys):
+    """A budget that holds bf16 pages but not fp32 ones: fp32 is named, the rest are sized."""
+    # 0.0004 GiB = round(429,496.73) = 429,497 B, mem_frac 1, no weights: all of it is budget.
+    # fp32 needs 2 rows x 32 x 2 x 8 x 128 x 4 B = 524,288 B, 94,791 more; bf16 131,072 B/token:
+    # 3 rows, 2 tokens
+    rc = main(["size", "meta-llama/Llama-3.1-8B", "--total-memory", "0.0004", "--weights", "0",
+               "--mem-fraction-static", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert _rows(out)["fp32"] == ["-"] * 5
+    assert _rows(out)["bf16"][:2] == ["131,072", "2"]
+    assert ("fp32: not sized: BudgetTooSmallError: budget of 429497 bytes cannot hold one page"
+            in out)
+    assert "needs 524288 bytes, 94791 more" in out
+
+
+def test_size_all_fails_when_no_dtype_fits(capsys):
+    # 0.00005 GiB = 53,687 B: below even FP4's 2 rows x 36,864 B; the first dtype's error (fp32)
+    rc = main(["size", "meta-llama/Llama-3.1-8B", "--total-memory", "0.00005", "--weights", "0",
+               "--mem-fraction-static", "1"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "BudgetTooSmallError: budget of 53687 bytes" in captured.err
+    assert "262144 bytes per token" in captured.err
+
+
+def test_size_all_with_a_recipe_only_one_dtype_cannot_take(capsys):
+    """The bundled Qwen3-8B (36 layers, 8 KV heads of 128) with `--nvfp4-recipe page_major` at
+    page size 1: only nvfp4 has page-major scales (page_size % 4 != 0), the rest are sized."""
+    rc = main(["size", "Qwen/Qwen3-8B", "--nvfp4-recipe", "page_major", "--total-memory", "16",
+               "--weights", "0", "--mem-fraction-static", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = _rows(out)
+    assert rows["nvfp4"] == ["-"] * 5
+    assert ("nvfp4: not sized: LayoutError: nvfp4 recipe `page_major` (page-major scales) needs "
+            "page_size % 4 == 0 and head_dim % 64 == 0; got page_size = 1, head_dim = 128") in out
+    # fp4_mx_block16: 36 x 2 x 8 x (64 B of data + 8 UE8M0 scales) = 41,472 B/token, no fixed
+    # bytes: 8 GiB // 41,472 = 207,126 rows -> 207,125 tokens
+    assert rows["fp4_mx_block16"][:2] == ["41,472", "207,125"]

@@ -320,6 +320,75 @@ def test_fp8_checkpoint_weights_are_one_byte():
     assert 0.5 < fp8 / bf16 < 0.53  # embeddings and norms stay bf16
 
 
+# Qwen2.5-7B (Qwen/Qwen2.5-7B-Instruct config.json): the language model of Qwen2.5-VL-7B
+QWEN25_7B = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584,
+             "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28,
+             "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+             "max_window_layers": 28, "use_sliding_window": False, "torch_dtype": "bfloat16"}
+
+
+def test_weights_estimate_counts_qwen2_qkv_biases(tmp_path):
+    """Qwen2-family attention has biases on q_proj, k_proj and v_proj (none on o_proj) without
+    an `attention_bias` key; the estimate left them out (Qwen2.5-7B: 28 x 4,608 = 129,024)."""
+    import json
+
+    from kvpool.weights import estimate_weight_bytes, parameter_counts
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    spec = kvpool.ModelSpec.from_pretrained(tmp_path)
+    # per layer: q bias 28 x 128 = 3,584, k and v biases 4 x 128 = 512 each
+    assert 28 * (28 * 128 + 2 * 4 * 128) == 129_024
+    counts = parameter_counts(spec)
+    # by hand: untied embeddings 2 x 152,064 x 3,584; per layer q and o 3,584^2 each, k and v
+    # 3,584 x 512 each, the 4,608 biases, gate/up/down 3 x 3,584 x 18,944, two RMSNorms; the
+    # final norm. Published: 7,615,616,512 (the safetensors parameter count of
+    # Qwen/Qwen2.5-7B-Instruct on the Hugging Face hub; the Qwen2.5 report's "7.61B")
+    layer = 2 * 3584**2 + 2 * 3584 * 512 + 4608 + 3 * 3584 * 18944 + 2 * 3584
+    assert 2 * 152_064 * 3584 + 28 * layer + 3584 == 7_615_616_512
+    assert sum(counts.values()) == 7_615_616_512
+    assert counts["bias"] == 129_024
+    assert estimate_weight_bytes(spec) == 2 * 7_615_616_512
+    # Qwen2.5-0.5B-Instruct (tied embeddings, 14 q / 2 KV heads of 64, 24 layers); published
+    # 494,032,768 (its safetensors parameter count on the hub)
+    small = dict(QWEN25_7B, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                 num_hidden_layers=24, num_key_value_heads=2, vocab_size=151_936,
+                 tie_word_embeddings=True)
+    layer = 2 * 896**2 + 2 * 896 * 128 + (896 + 2 * 128) + 3 * 896 * 4864 + 2 * 896
+    assert 151_936 * 896 + 24 * layer + 896 == 494_032_768
+    assert sum(parameter_counts(kvpool.ModelSpec.from_dict(small)).values()) == 494_032_768
+    # an FP8 checkpoint keeps the biases in the model dtype (2 bytes), like norms
+    fp8 = kvpool.ModelSpec.from_dict(QWEN25_7B | {"quantization_config": {"quant_method": "fp8"}})
+    c = parameter_counts(fp8)
+    plain = 2 * (2 * 152_064 * 3584 + 28 * 2 * 3584 + 3584 + 129_024)
+    assert estimate_weight_bytes(fp8) == int(plain + c["linear"] * (1 + 4 / (128 * 128)))
+
+
+def test_weights_estimate_attention_bias_flag():
+    """Other families follow `attention_bias` (Llama, Qwen3, gpt-oss: q, k, v and o_proj alike);
+    absent or false adds nothing, so their counts do not change."""
+    import json
+    from importlib import resources
+
+    from kvpool.weights import parameter_counts
+
+    path = resources.files("kvpool") / "models" / "meta-llama--Llama-3.1-8B.json"
+    llama = json.loads(path.read_text())
+    assert llama["attention_bias"] is False
+
+    def total(**kw):
+        cfg = {k: v for k, v in llama.items() if k != "attention_bias"} | kw
+        return sum(parameter_counts(kvpool.ModelSpec.from_dict(cfg)).values())
+
+    assert total() == total(attention_bias=False) == 8_030_261_248
+    # 32 layers x (q 4,096 + k 1,024 + v 1,024 + o 4,096)
+    assert total(attention_bias=True) == 8_030_261_248 + 32 * (4096 + 1024 + 1024 + 4096)
+    # gpt-oss-20b declares it: 24 layers x (q 64 x 64 + k, v 8 x 64 each + o 2,880)
+    gpt = parameter_counts(kvpool.ModelSpec.from_pretrained("openai/gpt-oss-20b"))
+    assert gpt.get("bias") == 24 * (64 * 64 + 2 * 8 * 64 + 2880) == 192_000
+    with pytest.raises(kvpool.ModelConfigError, match="`attention_bias` = 'yes': must be true"):
+        total(attention_bias="yes")
+
+
 def test_weights_estimate_counts_the_vision_tower():
     """Qwen2.5-VL-7B: the vision tower (0.68 B parameters) was missing from the estimate, so the
     pool of a vision-language model was sized 1.35 GB too large with estimated weights."""
@@ -337,8 +406,10 @@ def test_weights_estimate_counts_the_vision_tower():
     # the estimate counts a bias for every norm (an upper bound): 32 x 2 x 1280 + 1280 more
     assert vision_parameters(spec.fields.get("vision_config")) == exact + 32 * 2 * 1280 + 1280
     counts = parameter_counts(spec)
-    # published total 8,292,166,656 (the text part here leaves out Qwen2's q/k/v biases)
-    assert sum(counts.values()) / 8_292_166_656 == pytest.approx(1, abs=1e-4)
+    # published total 8,292,166,656 (transformers' parameter count of the checkpoint: the
+    # 676,550,144 above plus Qwen2.5-7B's 7,615,616,512, q/k/v biases included); the estimate
+    # is above it by the vision norms' biases only
+    assert sum(counts.values()) == 8_292_166_656 + 32 * 2 * 1280 + 1280
     text = {k: v for k, v in counts.items() if k != "vision"}
     assert estimate_weight_bytes(spec) == 2 * (sum(text.values()) + counts["vision"])
     # a text-only model has none; a malformed vision_config is named

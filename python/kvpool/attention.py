@@ -247,6 +247,16 @@ _ASM_DEFAULT = {
 # fp8 0.410 -> 0.402 ms; FP4 and fp32 were slower with it.
 _SWAP_DEFAULT = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
+#: Largest ``group_pad`` :func:`plan_decode` accepts beyond a group's own power of two. Padding
+#: exists to reach a tensor-core tile's row count (16 for untransposed dots, 8 transposed; 64 per
+#: Hopper warpgroup MMA), and 256 rows (four 64-row warpgroup tiles) covers every shape worth
+#: trying. Past it the rows are pure padding: the kernel keeps a ``[group_pad, head_dim]`` fp32
+#: accumulator and a ``[group_pad, block_n]`` score tile per program in registers, so 512 rows of
+#: 128-wide heads are 256 KiB of accumulator alone, an H200 multiprocessor's whole register file
+#: (65,536 x 4 B; 512 registers per thread at 4 warps, past ptxas' cap of 255): spills, or a
+#: failed compile where the dot operands are staged in shared memory (227 KiB per block).
+GROUP_PAD_MAX = 256
+
 
 def _asm_default(view: LayerView, kernel: str) -> bool:
     return view.dtype in _ASM_DEFAULT[kernel] and _asm_ok(view)
@@ -441,8 +451,14 @@ def plan_decode(
         <= 128 wide; otherwise 4 warps.
     group_pad : int, optional
         Rows the query group is padded to in the kernel: a power of two >= the group
-        (``num_q_heads / kv_heads``). Default: ``max(16, group)`` rounded up to a power of two
-        for untransposed dots, the group's power of two otherwise.
+        (``num_q_heads / kv_heads``) and at most :data:`GROUP_PAD_MAX` (256), or the group's
+        own power of two when the group is larger. Padding only has to reach a tensor-core
+        tile (16 rows for untransposed dots, 8 transposed, 64 per Hopper warpgroup MMA); 256
+        is four warpgroup tiles, and rows beyond it only grow the per-program fp32
+        accumulator (``group_pad x head_dim``) and score tile: spills or a failed compile
+        (512 x 128 fp32 is 256 KiB, an H200 multiprocessor's whole register file).
+        Default: ``max(16, group)`` rounded up to a power of two for untransposed dots, the
+        group's power of two otherwise.
     maxnreg : int, optional
         Register cap per thread of the split kernel, 24..255 (ptxas, sm_90, raises smaller
         caps to 24 and ignores larger ones). Default None: no cap. For experiments: at 128 on
@@ -525,6 +541,12 @@ def plan_decode(
         group_pad = _check_knob("group_pad", group_pad, g, pow2=True)
     except ValueError as e:
         raise ValueError(f"{e} (the query group is {g})") from None
+    if group_pad > max(GROUP_PAD_MAX, _pow2(g)):
+        raise ValueError(
+            f"`group_pad` = {group_pad}: must be at most {max(GROUP_PAD_MAX, _pow2(g))} (the "
+            f"query group is {g}; rows past {GROUP_PAD_MAX} are padding that only costs "
+            "registers and shared memory)"
+        )
     if maxnreg is not None:
         maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
     part_out = part_lse = None

@@ -3,6 +3,12 @@
 ``kvpool size`` prints SGLang's allocation line (``KV Cache is allocated. dtype: ..., #tokens: N,
 K size: X GB, V size: Y GB``; GB there is GiB) and a table across KV dtypes: tokens, capacity vs
 BF16, and how many requests of ``--context-len`` tokens fit. GiB = 2^30 bytes everywhere.
+
+With ``--kv-cache-dtype all`` (the default) a dtype that cannot be sized for the model (FP4 with
+head dims that are not multiples of 16, a budget too small for its pages) gets a row of ``-``
+and a line saying why after the table (``--json``: an entry with ``error`` and ``error_type``);
+the others are listed and the exit status is 0. Only when no dtype can be sized does the command
+fail, with the first dtype's error, as a single requested dtype that cannot be sized does.
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ from rich.console import Console
 from rich.table import Table
 
 import kvpool
+from kvpool._core import BudgetTooSmallError, KvDtypeError, LayoutError
 from kvpool.config import bundled_models
 from kvpool.gpus import GPUS
-from kvpool.sizing import GIB, KV_DTYPES
+from kvpool.sizing import GIB, KV_DTYPES, Plan
+
+#: Errors that depend on the KV dtype: with ``all`` they drop that dtype, not the whole report.
+_PER_DTYPE = (LayoutError, BudgetTooSmallError, KvDtypeError)
 
 
 def _gib(text: str) -> int:
@@ -101,14 +111,19 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     if not 0 < context < 1 << 64:
         raise ValueError(f"--context-len must be in 1..2^64-1, got {context}")
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
-    plans = kvpool.compare(spec, dtypes, **kw)
+    results = _plans(spec, dtypes, kw, keep_going=args.kv_cache_dtype == "all")
+    plans = [r for r in results if isinstance(r, Plan)]
     if args.json:
-        out = [
-            p.to_dict() | {"requests_fit": p.requests_fit(context), "context_len": context}
-            for p in plans
-        ]
-        for d in out:
-            d.pop("buffers")
+        out = []
+        for r in results:
+            if isinstance(r, Plan):
+                d = r.to_dict() | {"requests_fit": r.requests_fit(context)}
+                d.pop("buffers")
+            else:
+                dtype, e = r
+                d = {"dtype": dtype, "model": spec.name, "error": str(e),
+                     "error_type": type(e).__name__}  # fmt: skip
+            out.append(d | {"context_len": context})
         print(json.dumps(out, indent=2))
         return 0
     b = plans[0].budget
@@ -138,7 +153,10 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     t = Table(title=f"KV capacity per rank ({context}-token requests)")
     for col in ("dtype", "bytes/token", "#tokens", "x vs bf16", "requests", "pool GiB"):
         t.add_column(col, justify="left" if col == "dtype" else "right")
-    for p in plans:
+    for p in results:
+        if not isinstance(p, Plan):
+            t.add_row(p[0], *["-"] * 5)
+            continue
         ratio = f"{p.num_tokens / bf16.num_tokens:.2f}x" if bf16 else "-"
         t.add_row(
             p.dtype,
@@ -149,6 +167,9 @@ def _size(args: argparse.Namespace, console: Console) -> int:
             f"{p.total_bytes / GIB:.2f}",
         )
     console.print(t)
+    for r in results:
+        if not isinstance(r, Plan):
+            console.print(f"{r[0]}: not sized: {type(r[1]).__name__}: {r[1]}", highlight=False)
     linear = plans[0].linear_state_bytes()
     if linear:
         console.print(
@@ -156,6 +177,28 @@ def _size(args: argparse.Namespace, console: Console) -> int:
             "(reported, not allocated by the pool)"
         )
     return 0
+
+
+def _plans(
+    spec: kvpool.ModelSpec, dtypes: list[str], kw: dict, *, keep_going: bool
+) -> list[Plan | tuple[str, Exception]]:
+    """A plan per dtype, under one budget.
+
+    With ``keep_going`` a dtype-dependent error (see ``_PER_DTYPE``) stands in for that dtype's
+    plan as ``(dtype, error)``; when every dtype fails the first error is raised, as it is for
+    any other error and without ``keep_going``.
+    """
+    out: list[Plan | tuple[str, Exception]] = []
+    for d in dtypes:
+        try:
+            out.append(kvpool.compare(spec, [d], **kw)[0])
+        except _PER_DTYPE as e:
+            if not keep_going:
+                raise
+            out.append((d, e))
+    if not any(isinstance(r, Plan) for r in out):
+        raise out[0][1]  # type: ignore[index]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

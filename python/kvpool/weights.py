@@ -1,13 +1,15 @@
 """Weight bytes of a model: from the checkpoint's index when there is one, else estimated.
 
 The estimate counts parameters from ``config.json`` (embeddings, attention in its MHA/GQA, MLA or
-gated-DeltaNet form, dense or MoE MLPs, norms; the vision tower of a vision-language config) and
-prices them by the checkpoint's format: the
+gated-DeltaNet form with the projection biases a config has, dense or MoE MLPs, norms; the vision
+tower of a vision-language config) and prices them by the checkpoint's format: the
 model dtype, or for FP8 checkpoints (``quantization_config.quant_method == "fp8"``) one byte per
 quantized linear weight plus one fp32 scale per 128x128 block, for MXFP4 (gpt-oss) 4.25 bits per
-expert weight. Embeddings, norms, routers and the vision tower stay in the model dtype. For
-Llama-3.1-8B it gives 8,030,261,248 parameters, the published count; for Qwen2.5-VL-7B
-8,292,120,832 (published 8,292,166,656: within 0.001%).
+expert weight. Embeddings, norms, biases, routers and the vision tower stay in the model dtype.
+For Llama-3.1-8B it gives 8,030,261,248 parameters, the published count; for the text part of
+Qwen2.5-VL-7B 7,615,616,512, the published Qwen2.5-7B count; for the whole of Qwen2.5-VL-7B
+8,292,249,856 (published 8,292,166,656; the 83,200 more are the vision norms' biases, an upper
+bound, see :func:`vision_parameters`).
 """
 
 from __future__ import annotations
@@ -50,10 +52,33 @@ def checkpoint_bytes(spec: ModelSpec) -> int | None:
     return single.stat().st_size if single.is_file() else None
 
 
+def attention_biases(spec: ModelSpec) -> tuple[bool, bool]:
+    """Whether a (non-MLA, non-linear) attention layer has biases: ``(q/k/v, o_proj)``.
+
+    The Qwen2 family (``model_type`` ``qwen2``, ``qwen2_moe``, ``qwen2_vl``, ``qwen2_5_vl`` and
+    their ``*_text`` parts) always has q/k/v biases and none on ``o_proj``: their modeling code
+    hard-wires it and their configs carry no ``attention_bias`` key. Other families follow
+    ``attention_bias`` (Llama, Qwen3, Gemma 2, gpt-oss: q, k, v and o_proj alike; absent = none).
+
+    Raises
+    ------
+    ModelConfigError
+        ``attention_bias`` is not a bool.
+    """
+    f = spec.fields
+    if str(f.get("model_type", "")).startswith("qwen2"):
+        return True, False
+    flag = f.get("attention_bias", False)
+    if not isinstance(flag, bool):
+        raise ModelConfigError(f"`attention_bias` = {flag!r}: must be true or false")
+    return flag, flag
+
+
 def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     """Parameters by group.
 
     ``embed`` (embeddings and LM head), ``norms`` (norms and routers, kept in the model dtype),
+    ``bias`` (attention projection biases, see :func:`attention_biases`; model dtype),
     ``linear`` (attention and dense/shared MLP weights), ``experts`` (routed MoE expert weights),
     ``vision`` (the vision tower of a ``vision_config``, see :func:`vision_parameters`).
     """
@@ -66,6 +91,7 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     counts = {
         "embed": vocab * hidden * (1 if tied else 2),
         "norms": hidden,
+        "bias": 0,
         "linear": 0,
         "experts": 0,
         "vision": vision_parameters(f.get("vision_config")),
@@ -74,6 +100,7 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     n_experts = n_experts or f.int("num_local_experts", default=0)
     first_dense = f.int("first_k_dense_replace", default=0)
     shared = f.int("n_shared_experts", default=0)
+    qkv_bias, o_bias = attention_biases(spec)
     for i, kind in enumerate(spec.layer_kinds):
         counts["norms"] += 2 * hidden
         if kind == "linear":
@@ -94,6 +121,11 @@ def parameter_counts(spec: ModelSpec) -> dict[str, int]:
             q = hidden * heads * spec.head_dim
             kv = hidden * spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
             counts["linear"] += q + kv + heads * spec.v_head_dim * hidden
+            if qkv_bias:
+                counts["bias"] += heads * spec.head_dim
+                counts["bias"] += spec.num_kv_heads * (spec.head_dim + spec.v_head_dim)
+            if o_bias:
+                counts["bias"] += hidden
         if n_experts and i >= first_dense:
             inter = f.int("moe_intermediate_size", default=0) or f.int("intermediate_size")
             counts["experts"] += n_experts * 3 * hidden * inter
@@ -155,7 +187,7 @@ def estimate_weight_bytes(spec: ModelSpec) -> int:
     wb = DTYPE_BYTES[spec.dtype]
     q = spec.fields.get("quantization_config") or {}
     method = str(q.get("quant_method", "")).lower() if isinstance(q, dict) else ""
-    plain = (c["embed"] + c["norms"] + c["vision"]) * wb
+    plain = (c["embed"] + c["norms"] + c["bias"] + c["vision"]) * wb
     if method == "fp8":
         # 1 byte per weight + one fp32 scale per 128x128 block.
         per = 1 + 4 / (128 * 128)
