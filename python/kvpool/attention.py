@@ -296,7 +296,8 @@ def default_splits(
     32-token tiles (run 6, ``results/run6_h200/call3_variants.json``): B=64/8k 3 splits 0.336 ms
     (4: 0.396 ms, 1.3 waves; 6 with 3 stages: 0.337; 12: 0.339), B=16/8k 12 splits 0.097 ms
     (3: 0.173, 6: 0.123, 24: 0.101); B=1/32k 256 splits of 16-token tiles 35.8 us (128 splits
-    of 32-token tiles: 37.8, 256: 41.8).
+    of 32-token tiles: 37.8, 256: 41.8). fp8 with 16-token tiles and 3 stages (run 7,
+    ``results/run7_h200``): 16 programs per SM, B=64/8k 4 splits 0.325 ms (3: 0.338).
 
     Parameters
     ----------
