@@ -659,6 +659,50 @@ def test_decode_gpu_llama_geometry(dtype, heavy):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_decode_gpu_gluon(dtype, page):
+    """The Gluon kernel against the fp32 oracle: ragged lengths ending mid-tile and mid-page,
+    query groups of 1, 4 and 8, one split (direct output) and several, window, soft-cap and
+    sinks; and the same answer as the Triton kernel."""
+    lens = [1, 5, 16, 17, 100, 1000, 4093, 64]
+    for group, kw, opts in [
+        (4, {}, {}),
+        (4, {"num_splits": 1}, {}),
+        (8, {"num_splits": 5}, {"window": 300}),
+        (1, {"num_splits": 3}, {"softcap": 20.0, "sm_scale": 0.2}),
+        (4, {"num_splits": 1}, {"sinks": torch.linspace(-2.0, 3.0, 32), "window": 700}),
+        (4, {"num_splits": 7}, {"sinks": torch.linspace(-2.0, 3.0, 32)}),
+    ]:
+        cache = Cache(dtype, lens, heads=8, d=128, page=page, device="cuda", heavy=True)
+        plan_kw = {"gluon": True, **kw}
+        out, ref = run_decode(cache, 8 * group, backend="triton", device="cuda", plan_kw=plan_kw,
+                              **dict(opts))
+        assert rel_err(out, ref) < TOL[dtype], (group, kw, opts)
+        tri, _ = run_decode(cache, 8 * group, backend="triton", device="cuda",
+                            plan_kw={"gluon": False, **kw}, **dict(opts))
+        assert rel_err(out, tri.double().cpu()) < TOL[dtype] / 2, (group, kw, opts)
+
+
+@gpu
+def test_decode_gpu_gluon_default_and_refusals():
+    """fp8 at head_dim 128 with more than 16 programs takes the Gluon kernel by default; a plan
+    made for it refuses a layer it cannot run, and gluon=True refuses such a layer up front."""
+    c8 = Cache("fp8_e4m3", [2100] * 4, heads=8, d=128, page=16, device="cuda")
+    plan = attention.plan_decode(c8.view, 32, c8.page_table, c8.seq_lens)
+    assert plan.gluon and plan.block_n == 16
+    assert not attention.plan_decode(c8.view, 32, c8.page_table[:2], c8.seq_lens[:2]).gluon
+    cb = Cache("bf16", [2100] * 4, heads=8, d=128, page=16, device="cuda")
+    q = torch.zeros(4, 32, 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="uses the Gluon kernel, which does not run bf16 caches"):
+        attention.decode(cb.view, q, plan=plan)
+    with pytest.raises(ValueError, match="`gluon=True`: the Gluon decode kernel does not run "
+                                         "head_dim 64"):
+        c64 = Cache("fp8_e4m3", [40] * 4, heads=8, d=64, page=16, device="cuda")
+        attention.plan_decode(c64.view, 32, c64.page_table, c64.seq_lens, gluon=True)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
 def test_decode_gpu_batch_256_page_sizes(dtype):
     gen = torch.Generator().manual_seed(5)
@@ -794,6 +838,15 @@ def test_default_splits_wave_model(monkeypatch):
     # waves x (1648 + 8); s=8 -> 4,096, two waves x 1032 = 2064: 4 wins
     assert ds(64, 8, 8192, "cpu", 16, 1, 16) == 4
     assert ds(64, 8, 8192, "cpu", 16, 1) == 3  # 12 per SM: s=4 would be 1.3 waves
+    # the Gluon kernel's model: 12 per SM (1,584 slots) and 256 tokens per program besides its
+    # own. B=64/8k: s=3 one wave x (2736 + 256) = 2992; s=6 two x 1632 = 3264; s=9 (4,608
+    # programs) three x (912 + 256) = 3504: 3. B=128/8k (1,024 per split): s=1 8448; s=3 two
+    # waves x 2992 = 5984; s=4 three x 2304 = 6912: 3. B=16/8k: s=12 (1,536) 688 + 256 = 944;
+    # s=24 two x (352 + 256) = 1216: 12
+    assert ds(64, 8, 8192, "cpu", 16, 1, 12, 256) == 3
+    assert ds(128, 8, 8192, "cpu", 16, 1, 12, 256) == 3
+    assert ds(16, 8, 8192, "cpu", 16, 1, 12, 256) == 12
+    assert ds(32, 8, 8192, "cpu", 16, 1, 12, 256) == 6
 
 
 @pytest.mark.parametrize(
@@ -978,6 +1031,40 @@ def test_plan_decode_one_warp_needs_the_word_decode_it_will_run():
     assert (p.num_warps, p.block_n, p.swap, p.group_pad) == (1, 128, False, 16)
     p = attention.plan_decode(c8.view, 8, c8.page_table, c8.seq_lens, num_warps=1, use_dot=False)
     assert (p.num_warps, p.block_n, p.asm, p.group_pad) == (1, 32, False, 4)
+
+
+def test_plan_decode_gluon_choice(monkeypatch):
+    """Where the Gluon kernel is chosen, and the errors of ``gluon=``; the kernel itself needs a
+    GPU (test_decode_gpu_gluon), the choice is planned on the host."""
+    c8 = Cache("fp8_e4m3", [2100] * 4, heads=8, d=128, page=16)
+    pt, sl = c8.page_table, c8.seq_lens
+    # on the CPU: never by default; gluon=True names why
+    assert not attention.plan_decode(c8.view, 32, pt, sl).gluon
+    with pytest.raises(ValueError, match="`gluon=True`: the Gluon decode kernel does not run a "
+                                         "CPU tensor"):
+        attention.plan_decode(c8.view, 32, pt, sl, gluon=True)
+    with pytest.raises(ValueError, match="`gluon` = 'yes': must be a bool or None"):
+        attention.plan_decode(c8.view, 32, pt, sl, gluon="yes")
+    assert "bf16 caches" in attention._gluon_unfit(Cache("bf16", [4], heads=8, d=128).view, 4)
+    # as if on a GPU that fits: 4 requests x 8 KV heads = 32 programs > 16 -> Gluon, 16-token
+    # tiles, splits from the wave model with 14 programs per SM
+    monkeypatch.setattr(attention, "_gluon_unfit", lambda view, group: None)
+    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    p = attention.plan_decode(c8.view, 32, pt, sl)
+    assert (p.gluon, p.block_n, p.num_warps) == (True, 16, 1)
+    cap = pt.shape[1] * 16  # the page table's capacity bounds the longest request
+    assert p.num_splits == attention.default_splits(4, 8, cap, "cpu", 16, 1, 12, 256)
+    # shorter than 2,048 tokens: the Triton kernel (no gain at 1k on the H200)
+    assert not attention.plan_decode(c8.view, 32, pt, sl, max_seq_len=1024).gluon
+    p = attention.plan_decode(c8.view, 32, pt, sl, num_splits=3)
+    assert p.gluon and p.part_out.shape == (4, 32, 3, 128) and p.part_lse.shape == (4, 32, 3)
+    # two requests x 8 heads = 16 programs: latency-bound, the Triton kernel
+    assert not attention.plan_decode(c8.view, 32, pt[:2], sl[:2]).gluon
+    # a Triton knob keeps the Triton kernel; with gluon=True it is refused by name
+    assert not attention.plan_decode(c8.view, 32, pt, sl, block_n=32).gluon
+    with pytest.raises(ValueError, match="takes no Triton kernel options, got block_n, swap"):
+        attention.plan_decode(c8.view, 32, pt, sl, gluon=True, block_n=32, swap=True)
+    assert attention.plan_decode(c8.view, 32, pt, sl, gluon=True, num_splits=5).num_splits == 5
 
 
 def _pretend_gpu(monkeypatch):

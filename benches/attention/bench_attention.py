@@ -218,6 +218,7 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
         "group_pad": plan.group_pad,
         "maxnreg": plan.maxnreg,
         "ablate": plan.ablate,
+        "gluon": plan.gluon,
         "variant_kw": plan_kw,
     }
     save(rec)

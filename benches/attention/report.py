@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
 BS, CTXS = (1, 16, 64, 128), (1024, 8192, 32768)
-CFG_KEYS = ("splits", "block_n", "warps", "stages", "use_dot", "prefetch", "asm", "swap")
+CFG_KEYS = ("splits", "block_n", "warps", "stages", "use_dot", "prefetch", "asm", "swap", "gluon")
 EXT_KEYS = ("block_t", "block_n", "warps", "stages", "asm")
 
 

@@ -235,6 +235,43 @@ def _asm_ok(view: LayerView) -> bool:
     )
 
 
+def _gluon_unfit(view: LayerView, group: int) -> str | None:
+    """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
+
+    It needs fp8 caches on a CUDA GPU of compute capability 8.9 or newer (the
+    ``cvt.rn.f16x2.e4m3x2`` conversion), K and V head_dim 128, a query group of 1..8 heads, rows
+    whose start and stride are multiples of 16 bytes with each head's 128 bytes contiguous
+    (128-bit loads), and a Triton that ships Gluon (3.5+); never under the CPU interpreter.
+    """
+    if view.dtype not in ("fp8_e4m3", "fp8_e5m2"):
+        return f"{view.dtype} caches (fp8_e4m3 and fp8_e5m2 only)"
+    if not view.k.is_cuda or _interpreting():
+        return "a CPU tensor or the Triton interpreter (CUDA only)"
+    if torch.cuda.get_device_capability(view.k.device) < (8, 9):
+        return "a GPU older than compute capability 8.9"
+    if view.head_dim != 128 or view.v_head_dim != 128:
+        return f"head_dim {view.head_dim} / v_head_dim {view.v_head_dim} (128 only)"
+    if not 1 <= group <= 8:
+        return f"a query group of {group} heads (1..8 only)"
+    for t in (view.k, view.v):
+        if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != 128:
+            return "K/V rows not 16-byte aligned or a head's 128 bytes not contiguous"
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return "a Triton without Gluon (3.5+ needed)"
+    return None
+
+
+# Split model of the Gluon decode kernel (146 registers x 32 threads, no shared memory), fitted
+# to run 7's sweep on the H200 (``results/run7_h200/gluon_splits.json``): about 12 programs run
+# per SM at once (1,536 programs per wave: B=64/8k 3 splits 0.298 ms, 4: 0.375, 6: 0.301; B=32
+# 6: 0.158, 7: 0.213; B=16 12: 0.088, 14: 0.118), and a program costs ~256 tokens besides its
+# own (q, page ids, the partial output), so many short splits lose (B=64/8k 10: 0.332, 14: 0.323).
+_GLUON_PER_SM = 12
+_GLUON_OVERHEAD = 256
+
+
 # Where the word-level decode is the default (``asm=None``), per kernel, as measured on the
 # H200 (benches/attention/results): FP4 decode went from 0.721 ms to 0.489 ms at B=64/8k (run 4).
 # Run 5: fp8 decode 0.426 -> 0.410 ms at B=64/8k; FP4 extend (4k prefix + 512 new, B=16) 3.71 ->
@@ -278,6 +315,7 @@ def default_splits(
     block_n: int = 128,
     num_warps: int = 4,
     programs_per_sm: int | None = None,
+    overhead: int | None = None,
 ) -> int:
     """KV splits per request for :func:`decode`.
 
@@ -315,6 +353,8 @@ def default_splits(
         Programs that fit on one multiprocessor, when known better than ``12 / num_warps``
         (the fp8 one-warp default with 16-token tiles and 3 stages: 128 registers x 32 threads,
         13 KiB of shared memory, so 16).
+    overhead : int, optional
+        What one program costs besides its tokens, in tokens (default ``block_n // 2``).
 
     Returns
     -------
@@ -332,7 +372,8 @@ def default_splits(
     best, best_cost = 1, None
     for s in range(1, smax + 1):
         chunk = _cdiv(_cdiv(n, s), block_n) * block_n  # tokens per split, whole tiles
-        cost = _cdiv(programs * _cdiv(n, chunk), slots) * (chunk + block_n // 2)
+        extra = block_n // 2 if overhead is None else overhead
+        cost = _cdiv(programs * _cdiv(n, chunk), slots) * (chunk + extra)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
@@ -391,6 +432,10 @@ class DecodePlan:
         warpgroup MMA for transposed dots (slower for fp8 on the H200, run 6 call 2).
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
+    gluon : bool
+        Launch the Gluon kernel (``triton_kernels/decode_gluon.py``: fp8, head_dim 128, 16-token
+        tiles, one warp per program, no shared memory) instead of the Triton one; the other
+        kernel options are then unused.
     """
 
     page_table: torch.Tensor
@@ -409,6 +454,40 @@ class DecodePlan:
     maxnreg: int | None
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
+    gluon: bool = False
+
+
+def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> DecodePlan:
+    """:func:`plan_decode` for the Gluon kernel (16-token tiles, one warp per program)."""
+    b, dev = page_table.shape[0], view.k.device
+    if num_splits is None:
+        num_splits = default_splits(
+            b, view.num_kv_heads, ctx, dev, 16, 1, _GLUON_PER_SM, _GLUON_OVERHEAD
+        )
+    num_splits = _check_knob("num_splits", num_splits, 1)
+    part_out = part_lse = None
+    if num_splits > 1:
+        part_out = torch.empty(b, num_q_heads, num_splits, 128, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(b, num_q_heads, num_splits, dtype=torch.float32, device=dev)
+    return DecodePlan(
+        page_table=page_table,
+        seq_lens=seq_lens,
+        num_q_heads=num_q_heads,
+        num_splits=num_splits,
+        block_n=16,
+        num_warps=1,
+        num_stages=1,
+        use_dot=True,
+        prefetch=True,
+        asm=True,
+        swap=False,
+        ablate=0,
+        group_pad=16,
+        maxnreg=None,
+        part_out=part_out,
+        part_lse=part_lse,
+        gluon=True,
+    )
 
 
 def plan_decode(
@@ -429,6 +508,7 @@ def plan_decode(
     group_pad: int | None = None,
     maxnreg: int | None = None,
     ablate: int = 0,
+    gluon: bool | None = None,
 ) -> DecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
 
@@ -467,6 +547,14 @@ def plan_decode(
         up 2-warp ones, which stayed slower than the one-warp default.
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
+    gluon : bool, optional
+        Use the Gluon kernel. Default: where it can run (fp8 caches, CUDA compute capability
+        8.9+, head_dim 128, query group <= 8; see ``_gluon_unfit``), no Triton knob above is
+        given, the batch has more than 16 programs per split and the longest request is at
+        least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
+        Run 7 on the H200 (``benches/attention/results/run7_h200``), same run: B=64/8k 0.298
+        ms vs 0.326 (1.66x SDPA on contiguous bf16 instead of 1.52x), B=16/8k 0.088 vs 0.094.
+        True where it cannot run raises ValueError naming why.
 
     Returns
     -------
@@ -479,7 +567,8 @@ def plan_decode(
         A tensor of the wrong shape, dtype or device; ``num_q_heads`` not a multiple of the KV
         heads; a knob that is not an int (bools included) or out of range; an FP4 tile
         shorter than 32 tokens on the GPU; ``swap`` with ``use_dot=False``, ``prefetch`` or
-        ``ablate > 1``. The message names the value.
+        ``ablate > 1``; ``gluon=True`` where the Gluon kernel cannot run, or with a Triton
+        knob. The message names the value.
     """
     _check_view(view)
     g = _group(view, num_q_heads)
@@ -489,6 +578,33 @@ def plan_decode(
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    knobs = {
+        "block_n": block_n,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        "use_dot": use_dot,
+        "prefetch": prefetch,
+        "asm": asm,
+        "swap": swap,
+        "group_pad": group_pad,
+        "maxnreg": maxnreg,
+        "ablate": ablate or None,
+    }
+    given = [k for k, v in knobs.items() if v is not None]
+    if gluon is not None and not isinstance(gluon, bool):
+        raise ValueError(f"`gluon` = {gluon!r}: must be a bool or None")
+    unfit = _gluon_unfit(view, g)
+    if gluon is None:
+        # run 7 grid (H200): 7-14% faster than the Triton kernel from 8k tokens on at B >= 16;
+        # at 1k no gain (B=64, 128) or a loss (B=16: 25.3 vs 22.7 us); at <= 16 programs the
+        # Triton kernel is as fast or faster (B=1/32k 36.8 vs 36.5 us, B=1/1k 14.3 vs 12.4)
+        gluon = unfit is None and not given and b * view.num_kv_heads > 16 and ctx >= 2048
+    elif gluon and unfit is not None:
+        raise ValueError(f"`gluon=True`: the Gluon decode kernel does not run {unfit}")
+    elif gluon and given:
+        raise ValueError(f"`gluon=True` takes no Triton kernel options, got {', '.join(given)}")
+    if gluon:
+        return _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits)
     if use_dot is None:
         use_dot = True
     # Measured on the H200 (benches/attention, run 5 at B=64/8k): fp8 is fastest with the word
@@ -809,6 +925,8 @@ def decode(
     if plan.group_pad < g:
         raise ValueError(f"`plan` pads the query group to {plan.group_pad} rows, the group is {g}")
     # a plan may come from a view of another dtype or geometry (it is shared across layers)
+    if plan.gluon and (unfit := _gluon_unfit(view, g)) is not None:
+        raise ValueError(f"`plan` uses the Gluon kernel, which does not run {unfit}")
     _check_fp4_tile(view, plan.block_n)
     if plan.num_splits > 1 and (
         plan.part_out is None
@@ -829,58 +947,61 @@ def decode(
     s = plan.num_splits
     gp = plan.group_pad
     dummy = out
-    decode_kernel[(bsz, view.num_kv_heads, s)](
-        q,
-        view.k,
-        view.v,
-        kbs,
-        vbs,
-        ksc,
-        vsc,
-        page_table,
-        seq_lens,
-        sinks if sinks is not None else dummy,
-        out,
-        plan.part_out if s > 1 else dummy,
-        plan.part_lse if s > 1 else dummy,
-        q.stride(0),
-        q.stride(1),
-        view.k.stride(0),
-        view.v.stride(0),
-        _row_stride(kbs, view),
-        _row_stride(vbs, view),
-        page_table.stride(0),
-        out.stride(0),
-        out.stride(1),
-        scale,
-        float(softcap or 1.0),
-        int(window or 0),
-        view.page_size.bit_length() - 1,
-        s,
-        G=g,
-        GP=gp,
-        D=d,
-        DV=view.v_head_dim,
-        BLOCK_N=plan.block_n,
-        FINAL=s == 1,
-        FMT=fmt,
-        CDT=_tl_dtype(cdt),
-        IS_F32=cdt == torch.float32,
-        USE_DOT=plan.use_dot,
-        HAS_SCALE=has_scale,
-        FP4_MUL=fp4_mul,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None,
-        PREFETCH=plan.prefetch,
-        ABLATE=plan.ablate,
-        ASM=_asm_mode(plan.asm and _asm_ok(view)),
-        SWAP=plan.swap,
-        PAGE_AHEAD=plan.num_stages >= 3 and not plan.prefetch,
-        num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
-        **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
-    )
+    if plan.gluon:
+        _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks)
+    else:
+        decode_kernel[(bsz, view.num_kv_heads, s)](
+            q,
+            view.k,
+            view.v,
+            kbs,
+            vbs,
+            ksc,
+            vsc,
+            page_table,
+            seq_lens,
+            sinks if sinks is not None else dummy,
+            out,
+            plan.part_out if s > 1 else dummy,
+            plan.part_lse if s > 1 else dummy,
+            q.stride(0),
+            q.stride(1),
+            view.k.stride(0),
+            view.v.stride(0),
+            _row_stride(kbs, view),
+            _row_stride(vbs, view),
+            page_table.stride(0),
+            out.stride(0),
+            out.stride(1),
+            scale,
+            float(softcap or 1.0),
+            int(window or 0),
+            view.page_size.bit_length() - 1,
+            s,
+            G=g,
+            GP=gp,
+            D=d,
+            DV=view.v_head_dim,
+            BLOCK_N=plan.block_n,
+            FINAL=s == 1,
+            FMT=fmt,
+            CDT=_tl_dtype(cdt),
+            IS_F32=cdt == torch.float32,
+            USE_DOT=plan.use_dot,
+            HAS_SCALE=has_scale,
+            FP4_MUL=fp4_mul,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_WINDOW=window is not None,
+            HAS_SINKS=sinks is not None,
+            PREFETCH=plan.prefetch,
+            ABLATE=plan.ablate,
+            ASM=_asm_mode(plan.asm and _asm_ok(view)),
+            SWAP=plan.swap,
+            PAGE_AHEAD=plan.num_stages >= 3 and not plan.prefetch,
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+            **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
+        )
     if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
         merge_kernel[(bsz, hq)](
             plan.part_out,
@@ -900,6 +1021,47 @@ def decode(
             num_warps=4,
         )
     return out
+
+
+def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
+    """Launch ``decode_gluon.decode_kernel`` (the caller merges the splits)."""
+    from kvpool.triton_kernels.decode_gluon import decode_kernel
+
+    bsz, hq, _ = q.shape
+    s = plan.num_splits
+    decode_kernel[(bsz, view.num_kv_heads, s)](
+        q,
+        view.k,
+        view.v,
+        view.k_scale,
+        view.v_scale,
+        page_table,
+        seq_lens,
+        sinks if sinks is not None else out,
+        out,
+        plan.part_out if s > 1 else out,
+        plan.part_lse if s > 1 else out,
+        q.stride(0),
+        q.stride(1),
+        view.k.stride(0),
+        view.v.stride(0),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        float(softcap or 1.0),
+        int(window or 0),
+        view.page_size.bit_length() - 1,
+        s,
+        G=hq // view.num_kv_heads,
+        FINAL=s == 1,
+        PREFETCH=True,
+        E5M2=view.dtype == "fp8_e5m2",
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        num_warps=1,
+    )
 
 
 def _scale_args(view: LayerView):

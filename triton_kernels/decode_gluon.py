@@ -1,0 +1,307 @@
+"""Paged decode over fp8 caches in Gluon (Triton's layout-explicit dialect): no shared memory.
+
+``@gluon.jit`` code only; the launcher and its checks live in ``kvpool.attention`` (plans with
+``gluon=True``: CUDA, sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8).
+
+One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)``, as in
+``decode.py``; same split outputs, merged by ``decode.merge_kernel``). Each 16-token tile goes
+from global memory straight into the tensor-core fragments of ``mma.sync.m16n8k16`` (fp16 in,
+fp32 accumulate), with every layout written out so that Triton moves no data between layouts:
+
+- QK: ``S = q K^T``, the query group padded to 16 rows. Head dims are taken in a permuted order,
+  logical ``k = 16s + 8h + 2t + e`` <-> stored ``d = 32t + 4s + 2h + e`` (lane ``4g + t``), so each
+  lane reads 32 contiguous bytes of a token and every pair of fp8 bytes converts
+  (``cvt.rn.f16x2.e4m3x2``, or byte moves for e5m2) into one register of K^T's B fragment. q is
+  read with the same permutation, so ``q . k`` is unchanged.
+- PV: ``O^T = V^T P^T``, the value dims on the MMA's M side, the group on N (padded to 8). An A
+  fragment register holds two *tokens* of one value dim: the words of two token rows are
+  interleaved with ``prmt`` and converted in pairs. Value dims are permuted (logical row
+  ``16m + 8r + g`` <-> stored ``16g + 4jw + 2bh + r``, ``m = 2jw + bh``) so a lane reads 16
+  contiguous bytes per token; the output is written back in stored order.
+- P^T's B fragment is S's accumulator (rows 0..7) register for register; only the per-head
+  rescale factor crosses lanes (a shuffle).
+- The next tile's page ids and K/V words are loaded before this tile's math (``PREFETCH``).
+
+Why (benches/attention/results/run7_h200): the Triton kernel converts the dequantized V tile and
+P through shared memory for the MMA operands and spends ~800 instructions per 32-token tile;
+this one ~420 per 16-token tile, 146 registers, no shared memory (B=64/8k: 0.298 ms vs 0.328).
+
+Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
+"""
+
+import triton  # noqa: F401  (Gluon needs Triton's runtime)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+
+@gluon.jit
+def _k_words_f16(w, E5M2: gl.constexpr):
+    """Word of 4 fp8 codes -> 4 fp16 (exact); e5m2 is the high byte of an fp16 (byte moves)."""
+    if E5M2:
+        return gl.inline_asm_elementwise(
+            asm="{ .reg .b32 z, f0, f1; mov.b32 z, 0; prmt.b32 f0, $4, z, 0x1404; "
+            "prmt.b32 f1, $4, z, 0x3424; mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; }",
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .b16 l, h; .reg .b32 f0, f1; mov.b32 {l, h}, $4; "
+        "cvt.rn.f16x2.e4m3x2 f0, l; cvt.rn.f16x2.e4m3x2 f1, h; "
+        "mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; }",
+        constraints="=h,=h,=h,=h,r",
+        args=[w],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _v_pairs_f16(we, wo, E5M2: gl.constexpr):
+    """Words of two token rows -> for each byte b, (even row, odd row) as fp16: y[2b + e]."""
+    if E5M2:
+        return gl.inline_asm_elementwise(
+            asm="{ .reg .b32 z, p0, p1, f0, f1, f2, f3; mov.b32 z, 0; "
+            "prmt.b32 p0, $8, $9, 0x5140; prmt.b32 p1, $8, $9, 0x7362; "
+            "prmt.b32 f0, p0, z, 0x1404; prmt.b32 f1, p0, z, 0x3424; "
+            "prmt.b32 f2, p1, z, 0x1404; prmt.b32 f3, p1, z, 0x3424; "
+            "mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; "
+            "mov.b32 {$4, $5}, f2; mov.b32 {$6, $7}, f3; }",
+            constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            args=[we, wo],
+            dtype=(gl.float16,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    return gl.inline_asm_elementwise(
+        asm="{ .reg .b32 p0, p1, f0, f1, f2, f3; .reg .b16 l0, h0, l1, h1; "
+        "prmt.b32 p0, $8, $9, 0x5140; prmt.b32 p1, $8, $9, 0x7362; "
+        "mov.b32 {l0, h0}, p0; mov.b32 {l1, h1}, p1; "
+        "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, h0; "
+        "cvt.rn.f16x2.e4m3x2 f2, l1; cvt.rn.f16x2.e4m3x2 f3, h1; "
+        "mov.b32 {$0, $1}, f0; mov.b32 {$2, $3}, f1; mov.b32 {$4, $5}, f2; mov.b32 {$6, $7}, f3; }",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[we, wo],
+        dtype=(gl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _k_operand(w, BOP: gl.constexpr, E5M2: gl.constexpr):
+    """Raw K words ``[16 tokens, 32]`` (lane ``4g + t``: rows g, g+8; words 8t..8t+7) -> K^T
+    ``[128, 16]`` fp16 as the B operand of the QK MMA (logical head dims, see the module)."""
+    o0, o1, o2, o3 = _k_words_f16(w, E5M2)
+    x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [16, 32, 2, 2]: d = 4 word + 2j + k
+    x = gl.reshape(x, [16, 4, 8, 2, 2])  # (tok, t, s, h, e)
+    x = gl.permute(x, [0, 2, 3, 1, 4])  # (tok, s, h, t, e)
+    x = gl.reshape(x, [16, 128])
+    return gl.convert_layout(gl.permute(x, [1, 0]), BOP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
+    """Raw V words ``[16 tokens, 32]`` (lane ``4g + t``: rows 2t, 2t+1, 2t+8, 2t+9; words
+    4g..4g+3) -> V^T ``[128, 16]`` fp16 as the A operand of the PV MMA (logical value rows)."""
+    x = gl.reshape(w, [2, 4, 2, 32])  # (hh, t, e, word)
+    x = gl.permute(x, [0, 1, 3, 2])  # (hh, t, word, e)
+    we, wo = gl.split(x)
+    y0, y1, y2, y3, y4, y5, y6, y7 = _v_pairs_f16(we, wo, E5M2)  # y[2b + e]
+    # tl.join adds the new axis last, so the outermost join picks the lowest bit of y's index
+    y = gl.join(
+        gl.join(gl.join(y0, y4), gl.join(y2, y6)), gl.join(gl.join(y1, y5), gl.join(y3, y7))
+    )
+    # [hh, t, word, bh, r, e]: y index 2b + e, b = 2 bh + r
+    y = gl.reshape(y, [2, 4, 8, 4, 2, 2, 2])  # (hh, t, g, jw, bh, r, e)
+    y = gl.permute(y, [3, 4, 5, 2, 0, 1, 6])  # (jw, bh, r, g, hh, t, e)
+    y = gl.reshape(y, [128, 16])
+    return gl.convert_layout(y, AOP, assert_trivial=True)
+
+
+@gluon.jit
+def _load_tile(s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc):
+    """Raw K and V words of tokens [s, s + 16) (rows past ``end`` masked, not read)."""
+    tk = s + kr
+    tkm = tk < end
+    pk = gl.load(pt_row + (tk >> page_shift), mask=tkm, other=0)
+    rk = pk.to(gl.int64) * (page_mask + 1) + (tk & page_mask)
+    kw = gl.load(kw_ptr + rk[:, None] * srk + kc[None, :], mask=tkm[:, None], other=0)
+    tv = s + vr
+    tvm = tv < end
+    pv = gl.load(pt_row + (tv >> page_shift), mask=tvm, other=0)
+    rv = pv.to(gl.int64) * (page_mask + 1) + (tv & page_mask)
+    vw = gl.load(vw_ptr + rv[:, None] * srv + vc[None, :], mask=tvm[:, None], other=0)
+    return kw, vw
+
+
+@gluon.jit
+def decode_kernel(
+    Q,
+    K,
+    V,
+    KSC,
+    VSC,
+    PT,
+    SEQ,
+    SINKS,
+    OUT,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_vr,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    sm_scale,
+    softcap,
+    window,
+    page_shift,
+    num_splits,
+    G: gl.constexpr,
+    FINAL: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    E5M2: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+):
+    BN: gl.constexpr = 16
+    D: gl.constexpr = 128
+    MQK: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    MPV: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MQK, k_width=2)
+    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MQK, k_width=2)
+    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MPV, k_width=2)
+    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MPV, k_width=2)
+    KL: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+    )
+    # V words [16 tokens, 32]: 4 contiguous words per register group (128-bit loads), then the
+    # odd token of the pair, then the token 8 rows down; lane 4g + t -> tokens 2t, words 4g
+    VL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, 32],
+    )
+
+    b = gl.program_id(0)
+    hk = gl.program_id(1)
+    split = gl.program_id(2)
+    page_mask = (1 << page_shift) - 1
+    seq = gl.load(SEQ + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = gl.maximum(seq - window, 0)
+    chunk = gl.cdiv(gl.cdiv(seq - lo, num_splits), BN) * BN
+    start = lo + split * chunk
+    end = gl.minimum(start + chunk, seq)
+    qk_scale = sm_scale * gl.load(KSC)
+
+    # q (A operand, logical head dims): rows >= G are zero
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(1, QOP))
+    qc = gl.arange(0, D, layout=gl.SliceLayout(0, QOP))
+    phys = 32 * ((qc // 2) % 4) + 4 * (qc // 16) + 2 * ((qc // 8) % 2) + qc % 2
+    q = gl.load(
+        Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
+        mask=(qr < G)[:, None],
+        other=0.0,
+    ).to(gl.float16)
+
+    kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
+    kc = gl.arange(0, 32, layout=gl.SliceLayout(0, KL))
+    vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
+    vc = gl.arange(0, 32, layout=gl.SliceLayout(0, VL))
+    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MQK))
+    kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
+    vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
+    pt_row = PT + b.to(gl.int64) * stride_pt
+    srk = stride_kr // 4
+    srv = stride_vr // 4
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MQK))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MQK))
+    acc = gl.zeros([D, 8], gl.float32, layout=MPV)
+
+    if PREFETCH:
+        kw_n, vw_n = _load_tile(
+            start, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
+        )
+    for s in range(start, end, BN):
+        if PREFETCH:
+            kw, vw = kw_n, vw_n
+            kw_n, vw_n = _load_tile(
+                s + BN, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
+            )
+        else:
+            kw, vw = _load_tile(
+                s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
+            )
+
+        kt = _k_operand(kw, KOP, E5M2)
+        sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MQK))
+        if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
+            sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
+                softcap * 1.4426950408889634
+            )
+        else:
+            sacc = sacc * (qk_scale * 1.4426950408889634)
+        sacc = gl.where(((s + sc) < end)[None, :], sacc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sacc - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        # P^T: rows 0..7 of p, as the B operand of the PV dot
+        p8 = gl.split(gl.permute(gl.reshape(p.to(gl.float16), [2, 8, BN]), [1, 2, 0]))[0]
+        pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
+        a8 = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
+        a8 = gl.convert_layout(a8, gl.SliceLayout(0, MPV))
+        acc = acc * a8[None, :]
+        acc = mma_v2(_v_operand(vw, VOP, E5M2), pt, acc)
+
+    # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 4jw + 2bh + r,
+    # m = 2jw + bh
+    l8 = gl.split(gl.permute(gl.reshape(l_i, [2, 8]), [1, 0]))[0]
+    m8 = gl.split(gl.permute(gl.reshape(m_i, [2, 8]), [1, 0]))[0]
+    l8 = gl.convert_layout(l8, gl.SliceLayout(0, MPV))
+    m8 = gl.convert_layout(m8, gl.SliceLayout(0, MPV))
+    orow = gl.arange(0, D, layout=gl.SliceLayout(1, MPV))
+    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MPV))
+    mm = orow // 16
+    dv = 16 * (orow % 8) + 4 * (mm // 2) + 2 * (mm % 2) + (orow // 8) % 2
+    hmask = ocol < G
+    l_safe = gl.where(l8 > 0, l8, 1.0)
+    heads = hk * G + ocol
+    if FINAL:
+        if HAS_SINKS:
+            sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
+            m_s = gl.maximum(m8, sink)
+            l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
+            acc = acc * gl.exp2(m8 - m_s)[None, :]
+            l_safe = gl.where(l8 > 0, l8, 1.0)
+        vf = gl.load(VSC)
+        o = acc * (vf / l_safe)[None, :]
+        gl.store(
+            OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
+            o.to(OUT.dtype.element_ty),
+            mask=hmask[None, :],
+        )
+    else:
+        o = acc / l_safe[None, :]
+        lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
+        row = (b * (G * gl.num_programs(1)) + heads) * num_splits + split
+        gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])
+        gl.store(PL + row, lse, mask=hmask)
