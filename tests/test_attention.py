@@ -838,15 +838,15 @@ def test_default_splits_wave_model(monkeypatch):
     # waves x (1648 + 8); s=8 -> 4,096, two waves x 1032 = 2064: 4 wins
     assert ds(64, 8, 8192, "cpu", 16, 1, 16) == 4
     assert ds(64, 8, 8192, "cpu", 16, 1) == 3  # 12 per SM: s=4 would be 1.3 waves
-    # the Gluon kernel's model: 12 per SM (1,584 slots) and 256 tokens per program besides its
-    # own. B=64/8k: s=3 one wave x (2736 + 256) = 2992; s=6 two x 1632 = 3264; s=9 (4,608
-    # programs) three x (912 + 256) = 3504: 3. B=128/8k (1,024 per split): s=1 8448; s=3 two
-    # waves x 2992 = 5984; s=4 three x 2304 = 6912: 3. B=16/8k: s=12 (1,536) 688 + 256 = 944;
-    # s=24 two x (352 + 256) = 1216: 12
-    assert ds(64, 8, 8192, "cpu", 16, 1, 12, 256) == 3
-    assert ds(128, 8, 8192, "cpu", 16, 1, 12, 256) == 3
-    assert ds(16, 8, 8192, "cpu", 16, 1, 12, 256) == 12
-    assert ds(32, 8, 8192, "cpu", 16, 1, 12, 256) == 6
+    # the Gluon kernel's model: 16 per SM (2,112 slots) and 256 tokens per program besides its
+    # own. B=64/8k: s=3 one wave x (2736 + 256) = 2992; s=4 (2,048 programs) one wave x (2048 +
+    # 256) = 2304; s=5 (2,560) two x 1904; s=8 two x 1280 = 2560: 4. B=128/8k (1,024 per split):
+    # s=1 8448; s=2 one wave x 4352; s=3 two x 2992; s=4 two x 2304 = 4608: 2. B=16/8k: s=16
+    # (2,048) 512 + 256 = 768; s=17 (2,176) two waves: 16
+    assert ds(64, 8, 8192, "cpu", 16, 1, 16, 256) == 4
+    assert ds(128, 8, 8192, "cpu", 16, 1, 16, 256) == 2
+    assert ds(16, 8, 8192, "cpu", 16, 1, 16, 256) == 16
+    assert ds(32, 8, 8192, "cpu", 16, 1, 16, 256) == 8
 
 
 @pytest.mark.parametrize(
@@ -1047,17 +1047,22 @@ def test_plan_decode_gluon_choice(monkeypatch):
         attention.plan_decode(c8.view, 32, pt, sl, gluon="yes")
     assert "bf16 caches" in attention._gluon_unfit(Cache("bf16", [4], heads=8, d=128).view, 4)
     # as if on a GPU that fits: 4 requests x 8 KV heads = 32 programs > 16 -> Gluon, 16-token
-    # tiles, splits from the wave model with 14 programs per SM
+    # tiles, splits from the wave model with 16 programs per SM
     monkeypatch.setattr(attention, "_gluon_unfit", lambda view, group: None)
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
     p = attention.plan_decode(c8.view, 32, pt, sl)
     assert (p.gluon, p.block_n, p.num_warps) == (True, 16, 1)
     cap = pt.shape[1] * 16  # the page table's capacity bounds the longest request
-    assert p.num_splits == attention.default_splits(4, 8, cap, "cpu", 16, 1, 12, 256)
+    assert p.num_splits == attention.default_splits(4, 8, cap, "cpu", 16, 1, 16, 256)
     # shorter than 2,048 tokens: the Triton kernel (no gain at 1k on the H200)
     assert not attention.plan_decode(c8.view, 32, pt, sl, max_seq_len=1024).gluon
     p = attention.plan_decode(c8.view, 32, pt, sl, num_splits=3)
     assert p.gluon and p.part_out.shape == (4, 32, 3, 128) and p.part_lse.shape == (4, 32, 3)
+    assert (p.prefetch, p.num_stages) == (False, 3)  # e4m3: the 3-stage cp.async ring
+    c5 = Cache("fp8_e5m2", [2100] * 4, heads=8, d=128, page=16)
+    p5 = attention.plan_decode(c5.view, 32, c5.page_table, c5.seq_lens)
+    assert p5.gluon and p5.prefetch  # e5m2: register prefetch (the ring costs it registers)
+    assert p5.num_splits == attention.default_splits(4, 8, cap, "cpu", 16, 1, 12, 256)
     # two requests x 8 heads = 16 programs: latency-bound, the Triton kernel
     assert not attention.plan_decode(c8.view, 32, pt[:2], sl[:2]).gluon
     # a Triton knob keeps the Triton kernel; with gluon=True it is refused by name

@@ -20,11 +20,16 @@ fp32 accumulate), with every layout written out so that Triton moves no data bet
   contiguous bytes per token; the output is written back in stored order.
 - P^T's B fragment is S's accumulator (rows 0..7) register for register; only the per-head
   rescale factor crosses lanes (a shuffle).
-- The next tile's page ids and K/V words are loaded before this tile's math (``PREFETCH``).
+- Loads: with ``STAGES`` (3 for e4m3 caches) a ring of tiles in shared memory filled by
+  ``cp.async`` (raw words only; the page ids of the tile issued next are loaded one iteration
+  earlier), read back in the layouts above; with ``STAGES=0`` and ``PREFETCH`` the next tile's
+  words are loaded into registers before this tile's math (e5m2 caches: with the ring their
+  byte-move decode needs 137 registers, too many for 16 programs per SM).
 
 Why (benches/attention/results/run7_h200): the Triton kernel converts the dequantized V tile and
 P through shared memory for the MMA operands and spends ~800 instructions per 32-token tile;
-this one ~420 per 16-token tile, 146 registers, no shared memory (B=64/8k: 0.298 ms vs 0.328).
+this one ~420 per 16-token tile. B=64/8k, same run: ring 0.286 ms (126 registers, 13 KiB of
+shared memory, 16 programs per SM), register prefetch 0.299 ms (146 registers), Triton 0.326.
 
 Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
 """
@@ -32,7 +37,7 @@ Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (
 import triton  # noqa: F401  (Gluon needs Triton's runtime)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 
 @gluon.jit
@@ -140,6 +145,27 @@ def _load_tile(s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, 
 
 
 @gluon.jit
+def _rows(s, end, pt_row, page_shift, page_mask, r):
+    """Cache rows (int64) of tokens ``s + r`` and their mask (tokens before ``end``)."""
+    t = s + r
+    tm = t < end
+    p = gl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+    return p.to(gl.int64) * (page_mask + 1) + (t & page_mask), tm
+
+
+@gluon.jit
+def _issue(ks, vs, stage, rk, mk, rv, mv, kw_ptr, vw_ptr, srk, srv, kc, vc):
+    """cp.async of one tile's K and V words into ring stage ``stage`` (one commit group)."""
+    async_copy.async_copy_global_to_shared(
+        ks.index(stage), kw_ptr + rk[:, None] * srk + kc[None, :], mask=mk[:, None]
+    )
+    async_copy.async_copy_global_to_shared(
+        vs.index(stage), vw_ptr + rv[:, None] * srv + vc[None, :], mask=mv[:, None]
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit
 def decode_kernel(
     Q,
     K,
@@ -171,6 +197,7 @@ def decode_kernel(
     HAS_SOFTCAP: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr,
+    STAGES: gl.constexpr = 0,
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
@@ -235,12 +262,49 @@ def decode_kernel(
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MQK))
     acc = gl.zeros([D, 8], gl.float32, layout=MPV)
 
-    if PREFETCH:
+    if STAGES > 0:
+        # ring of STAGES tiles in shared memory filled by cp.async; the page ids of the tile
+        # issued next are loaded one iteration earlier (registers), so no issue waits on them
+        SW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+        ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
+        vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
+        for j in gl.static_range(STAGES - 1):
+            rk, mk = _rows(start + j * BN, end, pt_row, page_shift, page_mask, kr)
+            rv, mv = _rows(start + j * BN, end, pt_row, page_shift, page_mask, vr)
+            _issue(ks, vs, j, rk, mk, rv, mv, kw_ptr, vw_ptr, srk, srv, kc, vc)
+        nk, nmk = _rows(start + (STAGES - 1) * BN, end, pt_row, page_shift, page_mask, kr)
+        nv, nmv = _rows(start + (STAGES - 1) * BN, end, pt_row, page_shift, page_mask, vr)
+    i = 0
+    if PREFETCH and STAGES == 0:
         kw_n, vw_n = _load_tile(
             start, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
         )
     for s in range(start, end, BN):
-        if PREFETCH:
+        if STAGES > 0:
+            gl.thread_barrier()  # every lane is done with the stage refilled now
+            _issue(
+                ks,
+                vs,
+                (i + STAGES - 1) % STAGES,
+                nk,
+                nmk,
+                nv,
+                nmv,
+                kw_ptr,
+                vw_ptr,
+                srk,
+                srv,
+                kc,
+                vc,
+            )
+            nk, nmk = _rows(s + STAGES * BN, end, pt_row, page_shift, page_mask, kr)
+            nv, nmv = _rows(s + STAGES * BN, end, pt_row, page_shift, page_mask, vr)
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()  # the tile's words, copied by every lane, are visible
+            kw = ks.index(i % STAGES).load(KL)
+            vw = vs.index(i % STAGES).load(VL)
+            i += 1
+        elif PREFETCH:
             kw, vw = kw_n, vw_n
             kw_n, vw_n = _load_tile(
                 s + BN, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc

@@ -263,12 +263,17 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
     return None
 
 
-# Split model of the Gluon decode kernel (146 registers x 32 threads, no shared memory), fitted
-# to run 7's sweep on the H200 (``results/run7_h200/gluon_splits.json``): about 12 programs run
-# per SM at once (1,536 programs per wave: B=64/8k 3 splits 0.298 ms, 4: 0.375, 6: 0.301; B=32
-# 6: 0.158, 7: 0.213; B=16 12: 0.088, 14: 0.118), and a program costs ~256 tokens besides its
-# own (q, page ids, the partial output), so many short splits lose (B=64/8k 10: 0.332, 14: 0.323).
-_GLUON_PER_SM = 12
+# Split model of the Gluon decode kernel with its 3-stage cp.async ring (126 registers x 32
+# threads, 13 KiB of shared memory: 16 programs per SM), fitted to run 7 on the H200
+# (``results/run7_h200/gluon``): B=64/8k 3 splits 0.286 ms, 4 (2,048 programs, one wave): 0.289,
+# 6: 0.304; B=128/8k 2: 0.558, 3 (1.45 waves): 0.638, 4: 0.560; and a program costs ~256 tokens
+# besides its own (q, page ids, the partial output): many short splits lose (with register
+# prefetch, B=64/8k 10 splits: 0.332 ms, 14: 0.323 vs 3: 0.298).
+# e5m2 with the ring needs 137 registers (14 programs per SM, so 4 splits at B=64/8k took two
+# waves: 0.319-0.329 ms); it keeps the register prefetch (138 registers, STAGES=0; 12 programs
+# per SM in the model): B=64/8k 0.299 ms, B=128/8k 0.581, B=16/8k 0.088 (run 7, call 9).
+# dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
+_GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12)}
 _GLUON_OVERHEAD = 256
 
 
@@ -434,8 +439,9 @@ class DecodePlan:
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     gluon : bool
         Launch the Gluon kernel (``triton_kernels/decode_gluon.py``: fp8, head_dim 128, 16-token
-        tiles, one warp per program, no shared memory) instead of the Triton one; the other
-        kernel options are then unused.
+        tiles into tensor-core fragments without layout conversions, one warp per program; a
+        3-stage cp.async ring for e4m3, ``prefetch`` (registers) for e5m2) instead of the Triton
+        one; the other kernel options are unused.
     """
 
     page_table: torch.Tensor
@@ -460,10 +466,9 @@ class DecodePlan:
 def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> DecodePlan:
     """:func:`plan_decode` for the Gluon kernel (16-token tiles, one warp per program)."""
     b, dev = page_table.shape[0], view.k.device
+    stages, per_sm = _GLUON_CONFIG[view.dtype]
     if num_splits is None:
-        num_splits = default_splits(
-            b, view.num_kv_heads, ctx, dev, 16, 1, _GLUON_PER_SM, _GLUON_OVERHEAD
-        )
+        num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1)
     part_out = part_lse = None
     if num_splits > 1:
@@ -476,9 +481,9 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         num_splits=num_splits,
         block_n=16,
         num_warps=1,
-        num_stages=1,
+        num_stages=max(stages, 1),
         use_dot=True,
-        prefetch=True,
+        prefetch=stages == 0,
         asm=True,
         swap=False,
         ablate=0,
@@ -552,8 +557,8 @@ def plan_decode(
         8.9+, head_dim 128, query group <= 8; see ``_gluon_unfit``), no Triton knob above is
         given, the batch has more than 16 programs per split and the longest request is at
         least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
-        Run 7 on the H200 (``benches/attention/results/run7_h200``), same run: B=64/8k 0.298
-        ms vs 0.326 (1.66x SDPA on contiguous bf16 instead of 1.52x), B=16/8k 0.088 vs 0.094.
+        Run 7 on the H200 (``benches/attention/results/run7_h200``): B=64/8k 0.286-0.289 ms vs
+        0.326 for the Triton kernel (1.70-1.72x SDPA on contiguous bf16 instead of 1.52x).
         True where it cannot run raises ValueError naming why.
 
     Returns
@@ -1055,7 +1060,8 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         s,
         G=hq // view.num_kv_heads,
         FINAL=s == 1,
-        PREFETCH=True,
+        PREFETCH=plan.prefetch,
+        STAGES=0 if plan.prefetch else plan.num_stages,
         E5M2=view.dtype == "fp8_e5m2",
         HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None,
