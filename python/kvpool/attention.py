@@ -269,9 +269,10 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
 # 6: 0.304; B=128/8k 2: 0.558, 3 (1.45 waves): 0.638, 4: 0.560; and a program costs ~256 tokens
 # besides its own (q, page ids, the partial output): many short splits lose (with register
 # prefetch, B=64/8k 10 splits: 0.332 ms, 14: 0.323 vs 3: 0.298).
-# e5m2 with the ring needs 137 registers (14 programs per SM, so 4 splits at B=64/8k took two
-# waves: 0.319-0.329 ms); it keeps the register prefetch (138 registers, STAGES=0; 12 programs
-# per SM in the model): B=64/8k 0.299 ms, B=128/8k 0.581, B=16/8k 0.088 (run 7, call 9).
+# e5m2 with the ring needs 137 registers (14 programs per SM, so the 4 splits of this model at
+# B=64/8k took two waves: 0.319-0.329 ms; 3 splits were not measured); it keeps the measured
+# register prefetch (STAGES=0, 12 programs per SM in the model): B=64/8k 0.299 ms, B=128/8k
+# 0.581, B=16/8k 0.088 (run 7, call 9).
 # dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
 _GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12)}
 _GLUON_OVERHEAD = 256
