@@ -84,6 +84,11 @@ class Request:
     def pages(self) -> np.ndarray:
         return np.concatenate([self.cached_pages, self.own_pages])
 
+    def page_parts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` pages as (cached, own) parts, for ``RadixCache.insert`` (no copy)."""
+        cached = self.cached_pages[:n]
+        return cached, self.own_pages[: n - len(cached)]
+
     @property
     def done(self) -> bool:
         return self.status in ("finished", "cancelled", "rejected")
@@ -273,7 +278,7 @@ class Engine:
         if full <= len(r.cached_pages):
             return
         toks = np.asarray(r.tokens[: full * self.ps], dtype=np.int32)
-        self.cache.insert(toks, r.pages[:full])
+        self.cache.insert(toks, r.page_parts(full))
         _, node, _ = self.cache.match_prefix(toks)
         self.cache.lock(node)
         self.cache.unlock(r.node)
@@ -320,7 +325,7 @@ class Engine:
         if cache:
             full = r.computed // self.ps
             toks = np.asarray(r.tokens[: full * self.ps], dtype=np.int32)
-            self.cache.insert(toks, r.pages[:full])
+            self.cache.insert(toks, r.page_parts(full))
         self.cache.unlock(r.node)
         self.allocator.free(r.own_pages)
         r.node, r.own_pages = None, np.zeros(0, np.int32)
