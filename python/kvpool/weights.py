@@ -9,7 +9,8 @@ expert weight. Embeddings, norms, biases, routers and the vision tower stay in t
 For Llama-3.1-8B it gives 8,030,261,248 parameters, the published count; for the text part of
 Qwen2.5-VL-7B 7,615,616,512, the published Qwen2.5-7B count; for the whole of Qwen2.5-VL-7B
 8,292,249,856 (published 8,292,166,656; the 83,200 more are the vision norms' biases, an upper
-bound, see :func:`vision_parameters`).
+bound, see :func:`vision_parameters`); for Qwen2-VL-7B (whose ViT width is ``embed_dim``)
+8,291,375,616, the published count.
 """
 
 from __future__ import annotations
@@ -142,18 +143,26 @@ def vision_parameters(v) -> int:
     """Parameters of a ViT vision tower described by a ``vision_config`` dict (0 if there is none).
 
     Qwen2-VL-family layout: a patch embedding (``in_chans x temporal_patch_size x patch_size^2 x
-    hidden``), ``depth`` blocks of fused-qkv attention (``4 hidden^2`` + biases), an MLP gated when
-    ``hidden_act`` is ``silu`` (gate/up/down, ``3 hidden x intermediate``) else two layers, two
-    norms (counted with biases: an upper bound where the model uses RMSNorm), learned position
-    embeddings (``num_position_embeddings x hidden``) and the patch merger
-    (``spatial_merge_size^2`` patches into one: norm, ``m x m`` and ``m x out_hidden_size`` with
-    ``m = spatial_merge_size^2 x hidden``). Without it the pool of a vision-language model is sized
+    width``), ``depth`` blocks of fused-qkv attention (``4 width^2`` + biases), an MLP gated when
+    ``hidden_act`` is ``silu`` (gate/up/down, ``3 width x intermediate``) else two layers, two
+    norms (counted with biases: exact for LayerNorm, an upper bound where the model uses RMSNorm),
+    learned position embeddings (``num_position_embeddings x width``) and the patch merger
+    (``spatial_merge_size^2`` patches into one: norm, ``m x m`` and ``m x out`` with
+    ``m = spatial_merge_size^2 x width``). Without it the pool of a vision-language model is sized
     with the tower's weights missing (Qwen2.5-VL-7B: 0.68 B parameters, 1.35 GB in bf16).
+
+    The ViT width: Qwen2.5-VL names it ``hidden_size`` (merger output ``out_hidden_size``, else
+    the width). Qwen2-VL names it ``embed_dim`` with ``mlp_ratio`` (MLP width ``embed_dim x
+    mlp_ratio`` unless ``intermediate_size`` is given; ratio 4 when absent) and uses
+    ``hidden_size`` for the merger output, the language model's width (``out_hidden_size`` wins
+    if given): with ``embed_dim`` present it is the width. Reading Qwen2-VL-7B's ``hidden_size``
+    (3584) as the width counted its 0.68 B tower as 5.2 B.
 
     Raises
     ------
     ModelConfigError
-        ``vision_config`` is not a dict or a field is not a non-negative int.
+        ``vision_config`` is not a dict, a field is not a non-negative int, or ``mlp_ratio``
+        is not a non-negative whole number (an int or an integral float such as ``4.0``).
     """
     if v is None:
         return 0
@@ -166,16 +175,33 @@ def vision_parameters(v) -> int:
             raise ModelConfigError(f"`vision_config.{key}` = {x!r}: must be a non-negative int")
         return x
 
-    if "depth" not in v or "hidden_size" not in v:
+    if "depth" not in v or ("hidden_size" not in v and "embed_dim" not in v):
         return 0  # not a ViT description this estimate knows
-    h, depth = num("hidden_size"), num("depth")
-    inter = num("intermediate_size", 4 * h)
+    depth = num("depth")
+    if "embed_dim" in v:  # Qwen2-VL: hidden_size is the merger's output (the LM width)
+        h = num("embed_dim")
+        ratio = v.get("mlp_ratio", 4)
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not 0 <= ratio < 1 << 20
+            or ratio != int(ratio)
+        ):
+            raise ModelConfigError(
+                f"`vision_config.mlp_ratio` = {ratio!r}: must be a non-negative whole number "
+                "(the MLP width is embed_dim x mlp_ratio)"
+            )
+        inter = num("intermediate_size", h * int(ratio))
+        out = num("out_hidden_size", num("hidden_size", h))
+    else:  # Qwen2.5-VL: hidden_size is the ViT width
+        h = num("hidden_size")
+        inter = num("intermediate_size", 4 * h)
+        out = num("out_hidden_size", h)
     gated = v.get("hidden_act") == "silu"
     mlp = (3 * h * inter + 2 * inter + h) if gated else (2 * h * inter + inter + h)
     block = 4 * h * h + 4 * h + mlp + 4 * h  # qkv + proj with biases, MLP, two norms
     chans = num("in_chans", num("in_channels", 3))
     patch = chans * num("temporal_patch_size", 1) * num("patch_size") ** 2 * h
-    out = num("out_hidden_size", h)
     m = num("spatial_merge_size", 1) ** 2 * h
     merger = 2 * h + m * m + m + m * out + out
     return depth * block + patch + merger + num("num_position_embeddings", 0) * h
