@@ -1072,6 +1072,112 @@ def test_plan_decode_gluon_choice(monkeypatch):
     assert attention.plan_decode(c8.view, 32, pt, sl, gluon=True, num_splits=5).num_splits == 5
 
 
+def _misaligned(t, offset=4, pad=0):
+    """A copy of ``t`` ``[R, H, D]`` whose data starts ``offset`` bytes past a 16-byte boundary
+    and whose rows are ``pad`` bytes longer than ``H * D`` (a view sliced from a larger buffer)."""
+    r, h, d = t.shape
+    buf = torch.zeros(r * (h * d + pad) + 64, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 16 + offset
+    rows = buf[start : start + r * (h * d + pad)].view(r, h * d + pad)[:, : h * d]
+    out = rows.view(t.dtype).view(r, h, d)
+    out.copy_(t)
+    return out
+
+
+def test_gluon_unfit_layout_checks():
+    """The layout checks of the Gluon kernel run (and name the value) on any device; the device
+    check comes last (on the CPU: 'a CPU tensor')."""
+    import dataclasses
+
+    v = Cache("fp8_e4m3", [40] * 2, heads=8, d=128, page=16).view
+    assert attention._gluon_unfit(v, 4).startswith("a CPU tensor")
+    assert attention._gluon_unfit(v, 9) == "a query group of 9 heads (1..8 only)"
+    assert attention._gluon_unfit(v, 0) == "a query group of 0 heads (1..8 only)"
+    v64 = Cache("fp8_e5m2", [40] * 2, heads=2, d=64, page=16).view
+    assert attention._gluon_unfit(v64, 4) == "head_dim 64 / v_head_dim 64 (128 only)"
+    bad = dataclasses.replace(v, v=_misaligned(v.v, offset=4))
+    assert bad.v.data_ptr() % 16 == 4
+    assert torch.equal(bad.v.view(torch.uint8), v.v.view(torch.uint8))
+    why = attention._gluon_unfit(bad, 4)
+    assert why.startswith("K/V rows not 16-byte aligned") and "mod 16 = 4" in why
+    padded = dataclasses.replace(v, k=_misaligned(v.k, offset=0, pad=8))
+    assert padded.k.stride() == (8 * 128 + 8, 128, 1)
+    assert "strides (1032, 128, 1)" in attention._gluon_unfit(padded, 4)
+    # 4-byte aligned rows still suit the Triton kernel's word reads, not the Gluon kernel
+    assert attention._asm_ok(bad)
+
+
+def test_gluon_device_checks(monkeypatch):
+    """The device half of the Gluon checks, as on a CUDA machine: NVIDIA sm_89+, no interpreter,
+    and a Triton release the kernel was checked with (3.9 removed the cp.async call it uses)."""
+    import triton
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert attention._gluon_device_unfit(dev) is None
+    monkeypatch.setattr(triton, "__version__", "3.9.1")
+    assert attention._gluon_device_unfit(dev) == "Triton 3.9.1 (checked with Triton 3.6 only)"
+    monkeypatch.setattr(triton, "__version__", "3.6.0+git1234")
+    assert attention._gluon_device_unfit(dev) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert attention._gluon_device_unfit(dev) == "a GPU older than compute capability 8.9"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2.0")
+    assert attention._gluon_device_unfit(dev) == "a ROCm GPU (the kernel is NVIDIA PTX)"
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(attention, "_interpreting", lambda: True)
+    assert attention._gluon_device_unfit(dev).startswith("a CPU tensor or the Triton interpreter")
+    assert attention._gluon_device_unfit(torch.device("cpu")).startswith("a CPU tensor")
+
+
+def test_decode_gluon_plan_refusals(monkeypatch):
+    """A Gluon plan (made as if on a GPU that fits) launched on a layer or batch it cannot run:
+    a ValueError naming why, before any launch, ``out`` untouched."""
+    import dataclasses
+
+    c = Cache("fp8_e4m3", [40, 17, 3, 33], heads=8, d=128, page=16)
+    monkeypatch.setattr(attention, "_gluon_device_unfit", lambda device: None)
+    plan = attention.plan_decode(c.view, 32, c.page_table, c.seq_lens, gluon=True, num_splits=2)
+    assert plan.gluon and plan.part_out.shape == (4, 32, 2, 128)
+    q = torch.randn(4, 32, 128, dtype=torch.float16)
+    out = torch.full((4, 32, 128), 7.0, dtype=torch.float16)
+
+    def refused(match, view=c.view, q=q, **kw):
+        with pytest.raises(ValueError, match=match):
+            attention.decode(view, q, plan=plan, out=kw.pop("out", out), backend="triton", **kw)
+        assert bool((out == 7.0).all())
+
+    # misaligned V rows (a view sliced at 4 bytes): the kernel's 128-bit reads would fault
+    bad = dataclasses.replace(c.view, v=_misaligned(c.view.v, offset=4))
+    refused(r"uses the Gluon kernel, which does not run K/V rows not 16-byte aligned", bad)
+    with pytest.raises(ValueError, match=r"`gluon=True`: .* K/V rows not 16-byte aligned"):
+        attention.plan_decode(bad, 32, c.page_table, c.seq_lens, gluon=True)
+    # the same 32 query heads over 2 KV heads: a group of 16
+    c2 = Cache("fp8_e4m3", [40, 17, 3, 33], heads=2, d=128, page=16)
+    refused(r"which does not run a query group of 16 heads \(1..8 only\)", c2.view)
+    # a bf16 layer of the same geometry
+    cb = Cache("bf16", [40, 17, 3, 33], heads=8, d=128, page=16)
+    refused("which does not run bf16 caches", cb.view, q=q.bfloat16(), out=out.bfloat16())
+    # unit inner strides the kernels assume (no stride argument): refused, not mis-indexed
+    out_t = torch.full((4, 128, 32), 7.0, dtype=torch.float16).transpose(1, 2)
+    refused(r"`out` must be contiguous in its last dim \(strides \(4096, 1, 32\)\)", out=out_t)
+    pt_t = c.page_table.t().contiguous().t()
+    assert torch.equal(pt_t, c.page_table) and pt_t.stride(1) != 1
+    refused("`page_table` must be contiguous in its last dim", page_table=pt_t)
+    sl2 = torch.stack([c.seq_lens, c.seq_lens], 1)[:, 0]
+    refused(r"`seq_lens` must be contiguous in its last dim \(strides \(2,\)\)", seq_lens=sl2)
+    # without a plan (the Triton kernel's path) the same checks apply
+    with pytest.raises(ValueError, match="`page_table` must be contiguous in its last dim"):
+        attention.decode(c.view, q, pt_t, c.seq_lens, backend="triton")
+    # the torch backend reads any layout: the strided page table gives the reference answer
+    ref = attention.decode(c.view, q, c.page_table, c.seq_lens, backend="torch")
+    got = attention.decode(c.view, q, pt_t, sl2, backend="torch")
+    assert torch.equal(got, ref)
+
+
 def _pretend_gpu(monkeypatch):
     """Run the FP4 tile guard as if the view were on CUDA (the check raises before any launch)."""
     from types import SimpleNamespace

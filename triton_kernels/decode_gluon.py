@@ -1,7 +1,8 @@
-"""Paged decode over fp8 caches in Gluon (Triton's layout-explicit dialect): no shared memory.
+"""Paged decode over fp8 caches in Gluon (Triton's layout-explicit dialect), no layout changes.
 
 ``@gluon.jit`` code only; the launcher and its checks live in ``kvpool.attention`` (plans with
-``gluon=True``: CUDA, sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8).
+``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8, 16-byte
+aligned K/V rows; Triton 3.6, ``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
 
 One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)``, as in
 ``decode.py``; same split outputs, merged by ``decode.merge_kernel``). Each 16-token tile goes
@@ -28,8 +29,11 @@ fp32 accumulate), with every layout written out so that Triton moves no data bet
 
 Why (benches/attention/results/run7_h200): the Triton kernel converts the dequantized V tile and
 P through shared memory for the MMA operands and spends ~800 instructions per 32-token tile;
-this one ~420 per 16-token tile. B=64/8k, same run: ring 0.286 ms (126 registers, 13 KiB of
-shared memory, 16 programs per SM), register prefetch 0.299 ms (146 registers), Triton 0.326.
+this one ~420 per 16-token tile. B=64/8k, call 10
+(``gluon_ring/call10_ring_check_and_sweep.json``, 3 splits): ring 0.286 ms (126 registers,
+13 KiB of shared memory, 16 programs per SM), register prefetch 0.299 ms (146 registers); the
+Triton kernel 0.326-0.327 ms in the full benches (``gluon/`` and ``gluon_ring/stdout.txt``, not
+the same run).
 
 Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
 """

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -235,31 +236,59 @@ def _asm_ok(view: LayerView) -> bool:
     )
 
 
+#: Triton releases the Gluon decode kernel is compiled and tested with (major, minor). Gluon is
+#: experimental and its API moves: Triton 3.9 removed ``async_copy_global_to_shared`` (the e4m3
+#: ring then fails to compile, a CompilationError at the first decode), so other releases take
+#: the Triton kernel until the Gluon one is checked there.
+GLUON_TRITON = ((3, 6),)
+
+
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
     """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
 
-    It needs fp8 caches on a CUDA GPU of compute capability 8.9 or newer (the
-    ``cvt.rn.f16x2.e4m3x2`` conversion), K and V head_dim 128, a query group of 1..8 heads, rows
-    whose start and stride are multiples of 16 bytes with each head's 128 bytes contiguous
-    (128-bit loads), and a Triton that ships Gluon (3.5+); never under the CPU interpreter.
+    It needs fp8 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose start and
+    stride are multiples of 16 bytes with each head's 128 bytes contiguous (the kernel reads
+    int32 words, 128-bit loads), and :func:`_gluon_device_unfit`'s device and Triton. The layout
+    checks come first, so they are named (and testable) on any device.
     """
     if view.dtype not in ("fp8_e4m3", "fp8_e5m2"):
         return f"{view.dtype} caches (fp8_e4m3 and fp8_e5m2 only)"
-    if not view.k.is_cuda or _interpreting():
-        return "a CPU tensor or the Triton interpreter (CUDA only)"
-    if torch.cuda.get_device_capability(view.k.device) < (8, 9):
-        return "a GPU older than compute capability 8.9"
     if view.head_dim != 128 or view.v_head_dim != 128:
         return f"head_dim {view.head_dim} / v_head_dim {view.v_head_dim} (128 only)"
     if not 1 <= group <= 8:
         return f"a query group of {group} heads (1..8 only)"
     for t in (view.k, view.v):
         if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != 128:
-            return "K/V rows not 16-byte aligned or a head's 128 bytes not contiguous"
+            return (
+                f"K/V rows not 16-byte aligned or a head's 128 bytes not contiguous (address "
+                f"{t.data_ptr()} mod 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())})"
+            )
+    return _gluon_device_unfit(view.k.device)
+
+
+def _gluon_device_unfit(device: torch.device) -> str | None:
+    """Why the Gluon decode kernel cannot run on ``device`` (a phrase), or None.
+
+    An NVIDIA GPU (not ROCm: the kernel is inline PTX) of compute capability 8.9 or newer (the
+    ``cvt.rn.f16x2.e4m3x2`` conversion), never the CPU interpreter, and a Triton release in
+    :data:`GLUON_TRITON` whose Gluon imports.
+    """
+    if device.type != "cuda" or _interpreting():
+        return "a CPU tensor or the Triton interpreter (CUDA only)"
+    if torch.version.hip is not None:
+        return "a ROCm GPU (the kernel is NVIDIA PTX)"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "a GPU older than compute capability 8.9"
+    import triton
+
+    ver = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    if ver not in GLUON_TRITON:
+        have = ", ".join(f"{a}.{b}" for a, b in GLUON_TRITON)
+        return f"Triton {triton.__version__} (checked with Triton {have} only)"
     try:
-        import triton.experimental.gluon  # noqa: F401
+        import kvpool.triton_kernels.decode_gluon  # noqa: F401
     except ImportError:
-        return "a Triton without Gluon (3.5+ needed)"
+        return "a Triton without Gluon"
     return None
 
 
@@ -271,8 +300,9 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
 # prefetch, B=64/8k 10 splits: 0.332 ms, 14: 0.323 vs 3: 0.298).
 # e5m2 with the ring needs 137 registers (14 programs per SM, so the 4 splits of this model at
 # B=64/8k took two waves: 0.319-0.329 ms; 3 splits were not measured); it keeps the measured
-# register prefetch (STAGES=0, 12 programs per SM in the model): B=64/8k 0.299 ms, B=128/8k
-# 0.581, B=16/8k 0.088 (run 7, call 9).
+# register prefetch (STAGES=0, 138 registers, 12 programs per SM in the model), call 9's grid
+# and key sections (``results/run7_h200/gluon/attention.json``, ``stdout.txt``): B=64/8k
+# 0.297-0.300 ms (1.66x SDPA), B=128/8k 0.581-0.584, B=16/8k 0.088-0.089.
 # dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
 _GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12)}
 _GLUON_OVERHEAD = 256
@@ -555,12 +585,14 @@ def plan_decode(
         Benchmarks only (see :class:`DecodePlan`).
     gluon : bool, optional
         Use the Gluon kernel. Default: where it can run (fp8 caches, CUDA compute capability
-        8.9+, head_dim 128, query group <= 8; see ``_gluon_unfit``), no Triton knob above is
-        given, the batch has more than 16 programs per split and the longest request is at
-        least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
-        Run 7 on the H200 (``benches/attention/results/run7_h200``): B=64/8k 0.286-0.289 ms vs
-        0.326 for the Triton kernel (1.70-1.72x SDPA on contiguous bf16 instead of 1.52x).
-        True where it cannot run raises ValueError naming why.
+        8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a Triton in
+        ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, the batch has
+        more than 16 programs per split (B x KV heads) and the longest request is at least
+        2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
+        Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
+        run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
+        contiguous bf16 instead of 1.48x). True where it cannot run raises ValueError naming
+        why.
 
     Returns
     -------
@@ -883,7 +915,10 @@ def decode(
     Raises
     ------
     ValueError
-        A tensor of the wrong shape, dtype or device (the message names it), a bad option.
+        A tensor of the wrong shape, dtype or device (the message names it), a bad option;
+        for the kernels also ``q``, ``out`` or ``page_table`` not contiguous in the last dim,
+        ``seq_lens`` not contiguous, and a ``plan`` made for another batch or one whose kernel
+        cannot run this layer (a Gluon plan on a non-fp8 view, another head_dim, ...).
     """
     _check_view(view)
     dev = view.k.device
@@ -924,6 +959,13 @@ def decode(
         return out
     if bsz == 0:
         return out
+    # both kernels index these with unit inner strides (no stride argument): another layout
+    # would be read or written in the wrong places, silently
+    for name, t, dim in (("out", out, 2), ("page_table", page_table, 1), ("seq_lens", seq_lens, 0)):
+        if t.shape[dim] > 1 and t.stride(dim) != 1:
+            raise ValueError(
+                f"`{name}` must be contiguous in its last dim (strides {tuple(t.stride())})"
+            )
     if plan is None:
         plan = plan_decode(view, hq, page_table, seq_lens)
     elif plan.page_table.shape[0] != bsz:
