@@ -295,9 +295,10 @@ def _gluon_device_unfit(device: torch.device) -> str | None:
 # Split model of the Gluon decode kernel with its 3-stage cp.async ring (126 registers x 32
 # threads, 13 KiB of shared memory: 16 programs per SM), fitted to run 7 on the H200
 # (``results/run7_h200/gluon_ring/call10_ring_check_and_sweep.json``): B=64/8k 3 splits
-# 0.286 ms, 4 (2,048 programs, one wave): 0.289, 6: 0.304; B=128/8k 2: 0.558, 3 (1.45 waves): 0.638, 4: 0.560; and a program costs ~256 tokens
-# besides its own (q, page ids, the partial output): many short splits lose (with register
-# prefetch, B=64/8k 10 splits: 0.332 ms, 14: 0.323 vs 3: 0.298).
+# 0.286 ms, 4 (2,048 programs, one wave): 0.289, 6: 0.304; B=128/8k 2: 0.558, 3 (1.45 waves):
+# 0.638, 4: 0.560; and a program costs ~256 tokens besides its own (q, page ids, the partial
+# output): many short splits lose (with register prefetch, B=64/8k 10 splits: 0.332 ms, 14:
+# 0.323 vs 3: 0.298).
 # e5m2 with the ring needs 137 registers (14 programs per SM, so the 4 splits of this model at
 # B=64/8k took two waves: 0.319-0.329 ms; 3 splits were not measured); it keeps the measured
 # register prefetch (STAGES=0, 138 registers, 12 programs per SM in the model), call 9's grid
