@@ -1113,24 +1113,30 @@ def test_gluon_device_checks(monkeypatch):
     import triton
 
     dev = torch.device("cuda", 0)
+
+    def unfit(device=dev):  # the CUDA half is cached per GPU: clear it for each setting
+        attention._gluon_cuda_unfit.cache_clear()
+        return attention._gluon_device_unfit(device)
+
     monkeypatch.setattr(attention, "_interpreting", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(triton, "__version__", "3.6.0")
-    assert attention._gluon_device_unfit(dev) is None
+    assert unfit() is None
     monkeypatch.setattr(triton, "__version__", "3.9.1")
-    assert attention._gluon_device_unfit(dev) == "Triton 3.9.1 (checked with Triton 3.6 only)"
+    assert unfit() == "Triton 3.9.1 (checked with Triton 3.6 only)"
     monkeypatch.setattr(triton, "__version__", "3.6.0+git1234")
-    assert attention._gluon_device_unfit(dev) is None
+    assert unfit() is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
-    assert attention._gluon_device_unfit(dev) == "a GPU older than compute capability 8.9"
+    assert unfit() == "a GPU older than compute capability 8.9"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
-    assert attention._gluon_device_unfit(dev) == "a ROCm GPU (the kernel is NVIDIA PTX)"
+    assert unfit() == "a ROCm GPU (the kernel is NVIDIA PTX)"
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(attention, "_interpreting", lambda: True)
-    assert attention._gluon_device_unfit(dev).startswith("a CPU tensor or the Triton interpreter")
-    assert attention._gluon_device_unfit(torch.device("cpu")).startswith("a CPU tensor")
+    assert unfit().startswith("a CPU tensor or the Triton interpreter")
+    assert unfit(torch.device("cpu")).startswith("a CPU tensor")
+    attention._gluon_cuda_unfit.cache_clear()  # leave no answer from the patched settings
 
 
 def test_decode_gluon_plan_refusals(monkeypatch):

@@ -31,6 +31,7 @@ layer of a forward step.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import os
@@ -275,9 +276,19 @@ def _gluon_device_unfit(device: torch.device) -> str | None:
     """
     if device.type != "cuda" or _interpreting():
         return "a CPU tensor or the Triton interpreter (CUDA only)"
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _gluon_cuda_unfit(index)
+
+
+@functools.cache
+def _gluon_cuda_unfit(index: int) -> str | None:
+    """The CUDA half of :func:`_gluon_device_unfit` for GPU ``index``, cached per GPU.
+
+    The answer cannot change within a process, and ``decode`` asks on every call (once per layer).
+    """
     if torch.version.hip is not None:
         return "a ROCm GPU (the kernel is NVIDIA PTX)"
-    if torch.cuda.get_device_capability(device) < (8, 9):
+    if torch.cuda.get_device_capability(index) < (8, 9):
         return "a GPU older than compute capability 8.9"
     import triton
 
