@@ -953,9 +953,10 @@ def test_fp4_tiles_of_16_tokens_refused_gpu(dtype):
         ({"block_n": 32.0}, "`block_n` = 32.0: must be an int"),
         ({"block_n": 24}, "`block_n` = 24: must be a power of two >= 16"),
         ({"block_n": 0}, "`block_n` = 0: must be a power of two >= 16"),
-        ({"num_splits": 0}, "`num_splits` = 0: must be an int >= 1"),
+        ({"num_splits": 0}, "`num_splits` = 0: must be an int in 1..1024"),
         ({"num_splits": 2.5}, "`num_splits` = 2.5: must be an int"),
         ({"num_stages": 0}, "`num_stages` = 0: must be an int >= 1"),
+        ({"num_splits": 1025}, "`num_splits` = 1025: must be an int in 1..1024"),
     ],
 )
 def test_plan_decode_rejects_bad_knobs(kw, msg):

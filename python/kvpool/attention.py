@@ -199,6 +199,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Most KV splits per request a decode plan takes: the split merge combines a head's partial
+# outputs in one program (``SP`` rows of ``Dv`` fp32 values); the planner never picks more than
+# 256, and 384 splits (512 merge rows) still ran on the H200 (run 7, call 6: 70 us at B=1/32k).
+MAX_SPLITS = 1024
+
+
 def _check_knob(name: str, value, lo: int, hi: int | None = None, pow2: bool = False) -> int:
     """``value`` as an int in ``lo..hi`` (a power of two if ``pow2``), else ValueError naming it.
 
@@ -512,7 +518,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     stages, per_sm = _GLUON_CONFIG[view.dtype]
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
-    num_splits = _check_knob("num_splits", num_splits, 1)
+    num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
     part_out = part_lse = None
     if num_splits > 1:
         part_out = torch.empty(b, num_q_heads, num_splits, 128, dtype=torch.float32, device=dev)
@@ -573,8 +579,8 @@ def plan_decode(
         table's capacity, ``max_pages * page_size``). No device value is read.
     num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
         Override the heuristics (benchmarks, tuning). ``block_n`` is in tokens (a power of two
-        >= 16; >= 32 for FP4 caches on the GPU), ``num_warps`` a power of two in 1..32.
-        ``asm=True`` is ignored where the word decode does not apply (see :class:`DecodePlan`).
+        >= 16; >= 32 for FP4 caches on the GPU), ``num_warps`` a power of two in 1..32,
+        ``num_splits`` in 1..``MAX_SPLITS`` (1,024). ``asm=True`` is ignored where the word decode does not apply (see :class:`DecodePlan`).
         The one-warp default (``num_warps=1``; fp8: 16-token tiles and 3 stages, FP4: 32-token
         tiles and 2 stages) applies with ``use_dot``, the word decode, no ``prefetch`` and heads
         <= 128 wide; otherwise 4 warps.
@@ -698,7 +704,7 @@ def plan_decode(
     if num_splits is None:
         per_sm = 16 if fp8_ring and swap and maxnreg is None else None
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, block_n, num_warps, per_sm)
-    num_splits = _check_knob("num_splits", num_splits, 1)
+    num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
     _check_fp4_tile(view, block_n)
     if swap and (not use_dot or prefetch or ablate > 1):
         raise ValueError("`swap` needs use_dot=True, prefetch=False and ablate 0 or 1")
