@@ -580,7 +580,8 @@ def plan_decode(
     num_splits, block_n, num_warps, num_stages, use_dot, prefetch, asm, swap : optional
         Override the heuristics (benchmarks, tuning). ``block_n`` is in tokens (a power of two
         >= 16; >= 32 for FP4 caches on the GPU), ``num_warps`` a power of two in 1..32,
-        ``num_splits`` in 1..``MAX_SPLITS`` (1,024). ``asm=True`` is ignored where the word decode does not apply (see :class:`DecodePlan`).
+        ``num_splits`` in 1..``MAX_SPLITS`` (1,024). ``asm=True`` is ignored where the word
+        decode does not apply (see :class:`DecodePlan`).
         The one-warp default (``num_warps=1``; fp8: 16-token tiles and 3 stages, FP4: 32-token
         tiles and 2 stages) applies with ``use_dot``, the word decode, no ``prefetch`` and heads
         <= 128 wide; otherwise 4 warps.
