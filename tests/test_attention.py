@@ -1185,6 +1185,30 @@ def test_decode_gluon_plan_refusals(monkeypatch):
     assert torch.equal(got, ref)
 
 
+def test_extend_refuses_strided_tensors_on_the_kernel_path():
+    """Extend's kernel indexes ``out`` and ``page_table`` rows with unit inner stride and reads
+    ``seq_lens``/``cu_seqlens_q`` with none: other layouts are refused by name before any launch
+    (``out`` untouched), as in decode; the torch path takes them and gives the same answer."""
+    c = Cache("bf16", [40, 17], heads=2, d=32, page=16)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, 32).to(torch.bfloat16)
+    out_t = torch.full((5, 32, 4), 7.0, dtype=torch.bfloat16).transpose(1, 2)
+    pt_t = c.page_table.t().contiguous().t()
+    sl2 = torch.stack([c.seq_lens, c.seq_lens], 1)[:, 0]
+    cu2 = torch.stack([cu, cu], 1)[:, 0]
+    for kw, name in [({"out": out_t}, "out"), ({"page_table": pt_t}, "page_table"),
+                     ({"seq_lens": sl2}, "seq_lens"), ({"cu_seqlens_q": cu2}, "cu_seqlens_q")]:
+        args = {"cu_seqlens_q": cu, "page_table": c.page_table, "seq_lens": c.seq_lens}
+        out = kw.pop("out", None)
+        args.update(kw)
+        with pytest.raises(ValueError, match=f"`{name}` must be contiguous in its last dim"):
+            attention.extend(c.view, q, out=out, backend="triton", **args)
+    assert (out_t == 7.0).all()
+    ref = attention.extend(c.view, q, cu, c.page_table, c.seq_lens, backend="torch")
+    got = attention.extend(c.view, q, cu2, pt_t, sl2, backend="torch")
+    assert torch.equal(got, ref)
+
+
 def _pretend_gpu(monkeypatch):
     """Run the FP4 tile guard as if the view were on CUDA (the check raises before any launch)."""
     from types import SimpleNamespace

@@ -978,13 +978,7 @@ def decode(
         return out
     if bsz == 0:
         return out
-    # both kernels index these with unit inner strides (no stride argument): another layout
-    # would be read or written in the wrong places, silently
-    for name, t, dim in (("out", out, 2), ("page_table", page_table, 1), ("seq_lens", seq_lens, 0)):
-        if t.shape[dim] > 1 and t.stride(dim) != 1:
-            raise ValueError(
-                f"`{name}` must be contiguous in its last dim (strides {tuple(t.stride())})"
-            )
+    _check_unit_inner_strides(out=out, page_table=page_table, seq_lens=seq_lens)
     if plan is None:
         plan = plan_decode(view, hq, page_table, seq_lens)
     elif plan.page_table.shape[0] != bsz:
@@ -1132,6 +1126,20 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     )
 
 
+def _check_unit_inner_strides(**tensors: torch.Tensor) -> None:
+    """ValueError naming the first tensor whose last dim is not contiguous.
+
+    The decode and extend kernels take row strides but index within a row with unit stride
+    (``out``, ``page_table``) or not at all (``seq_lens``, ``cu_seqlens_q``): another layout
+    would be read or written in the wrong places, silently. The torch path takes any layout.
+    """
+    for name, t in tensors.items():
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(
+                f"`{name}` must be contiguous in its last dim (strides {tuple(t.stride())})"
+            )
+
+
 def _scale_args(view: LayerView):
     # block scales go in as bytes (nvfp4's e4m3 bits are reinterpreted in the kernel)
     kbs = view.k_block_scale.view(torch.uint8) if view.k_block_scale is not None else view.k
@@ -1252,6 +1260,9 @@ def extend(
         return out
     if t == 0 or bsz == 0:
         return out
+    _check_unit_inner_strides(
+        out=out, page_table=page_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
 
     from kvpool.triton_kernels.extend import extend_kernel
 
