@@ -133,28 +133,34 @@ def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc):
-    """Raw K and V words of tokens [s, s + 16) (rows past ``end`` masked, not read)."""
-    tk = s + kr
-    tkm = tk < end
-    pk = gl.load(pt_row + (tk >> page_shift), mask=tkm, other=0)
-    rk = pk.to(gl.int64) * (page_mask + 1) + (tk & page_mask)
-    kw = gl.load(kw_ptr + rk[:, None] * srk + kc[None, :], mask=tkm[:, None], other=0)
-    tv = s + vr
-    tvm = tv < end
-    pv = gl.load(pt_row + (tv >> page_shift), mask=tvm, other=0)
-    rv = pv.to(gl.int64) * (page_mask + 1) + (tv & page_mask)
-    vw = gl.load(vw_ptr + rv[:, None] * srv + vc[None, :], mask=tvm[:, None], other=0)
-    return kw, vw
-
-
-@gluon.jit
 def _rows(s, end, pt_row, page_shift, page_mask, r):
     """Cache rows (int64) of tokens ``s + r`` and their mask (tokens before ``end``)."""
     t = s + r
     tm = t < end
     p = gl.load(pt_row + (t >> page_shift), mask=tm, other=0)
     return p.to(gl.int64) * (page_mask + 1) + (t & page_mask), tm
+
+
+@gluon.jit
+def _load_tile(s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc):
+    """Raw K and V words of tokens [s, s + 16) (rows past ``end`` masked, not read)."""
+    rk, mk = _rows(s, end, pt_row, page_shift, page_mask, kr)
+    kw = gl.load(kw_ptr + rk[:, None] * srk + kc[None, :], mask=mk[:, None], other=0)
+    rv, mv = _rows(s, end, pt_row, page_shift, page_mask, vr)
+    vw = gl.load(vw_ptr + rv[:, None] * srv + vc[None, :], mask=mv[:, None], other=0)
+    return kw, vw
+
+
+@gluon.jit
+def _rows0to7(x, N: gl.constexpr):
+    """Rows 0..7 of ``x [16, N]`` (row bit 3 is held in registers: a relabeling, no data moves)."""
+    return gl.split(gl.permute(gl.reshape(x, [2, 8, N]), [1, 2, 0]))[0]
+
+
+@gluon.jit
+def _first8(x):
+    """Elements 0..7 of a per-row vector ``x [16]`` of the accumulator layout (a relabeling)."""
+    return gl.split(gl.permute(gl.reshape(x, [2, 8]), [1, 0]))[0]
 
 
 @gluon.jit
@@ -205,16 +211,14 @@ def decode_kernel(
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
-    MQK: gl.constexpr = gl.NVMMADistributedLayout(
+    # one mma.sync m16n8k16 layout for both dots (QK: [16 heads, 16 tokens]; PV: [128, 8 heads])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
     )
-    MPV: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
-    )
-    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MQK, k_width=2)
-    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MQK, k_width=2)
-    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MPV, k_width=2)
-    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MPV, k_width=2)
+    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     KL: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
     )
@@ -255,16 +259,16 @@ def decode_kernel(
     kc = gl.arange(0, 32, layout=gl.SliceLayout(0, KL))
     vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
     vc = gl.arange(0, 32, layout=gl.SliceLayout(0, VL))
-    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MQK))
+    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
     kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
     vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
     pt_row = PT + b.to(gl.int64) * stride_pt
     srk = stride_kr // 4
     srv = stride_vr // 4
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MQK))
-    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MQK))
-    acc = gl.zeros([D, 8], gl.float32, layout=MPV)
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
 
     if STAGES > 0:
         # ring of STAGES tiles in shared memory filled by cp.async; the page ids of the tile
@@ -319,7 +323,7 @@ def decode_kernel(
             )
 
         kt = _k_operand(kw, KOP, E5M2)
-        sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MQK))
+        sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
         if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
             sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
                 softcap * 1.4426950408889634
@@ -333,21 +337,18 @@ def decode_kernel(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         # P^T: rows 0..7 of p, as the B operand of the PV dot
-        p8 = gl.split(gl.permute(gl.reshape(p.to(gl.float16), [2, 8, BN]), [1, 2, 0]))[0]
+        p8 = _rows0to7(p.to(gl.float16), BN)
         pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
-        a8 = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))[0]
-        a8 = gl.convert_layout(a8, gl.SliceLayout(0, MPV))
+        a8 = gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))
         acc = acc * a8[None, :]
         acc = mma_v2(_v_operand(vw, VOP, E5M2), pt, acc)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 4jw + 2bh + r,
     # m = 2jw + bh
-    l8 = gl.split(gl.permute(gl.reshape(l_i, [2, 8]), [1, 0]))[0]
-    m8 = gl.split(gl.permute(gl.reshape(m_i, [2, 8]), [1, 0]))[0]
-    l8 = gl.convert_layout(l8, gl.SliceLayout(0, MPV))
-    m8 = gl.convert_layout(m8, gl.SliceLayout(0, MPV))
-    orow = gl.arange(0, D, layout=gl.SliceLayout(1, MPV))
-    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MPV))
+    l8 = gl.convert_layout(_first8(l_i), gl.SliceLayout(0, MMA))
+    m8 = gl.convert_layout(_first8(m_i), gl.SliceLayout(0, MMA))
+    orow = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     mm = orow // 16
     dv = 16 * (orow % 8) + 4 * (mm // 2) + 2 * (mm % 2) + (orow // 8) % 2
     hmask = ocol < G
