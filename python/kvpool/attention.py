@@ -423,10 +423,10 @@ def default_splits(
         return smax
     per_sm = programs_per_sm or max(1, 12 // max(num_warps, 1))
     slots = per_sm * _num_sms(torch.device(device))
+    extra = block_n // 2 if overhead is None else overhead
     best, best_cost = 1, None
     for s in range(1, smax + 1):
         chunk = _cdiv(_cdiv(n, s), block_n) * block_n  # tokens per split, whole tiles
-        extra = block_n // 2 if overhead is None else overhead
         cost = _cdiv(programs * _cdiv(n, chunk), slots) * (chunk + extra)
         if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
@@ -512,6 +512,19 @@ class DecodePlan:
     gluon: bool = False
 
 
+def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
+    """The split merge's fp32 inputs: ``[b, hq, splits, dv]`` and ``[b, hq, splits]``.
+
+    ``(None, None)`` for one split: the kernel then writes the output directly.
+    """
+    if splits == 1:
+        return None, None
+    return (
+        torch.empty(b, hq, splits, dv, dtype=torch.float32, device=dev),
+        torch.empty(b, hq, splits, dtype=torch.float32, device=dev),
+    )
+
+
 def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> DecodePlan:
     """:func:`plan_decode` for the Gluon kernel (16-token tiles, one warp per program)."""
     b, dev = page_table.shape[0], view.k.device
@@ -519,10 +532,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
-    part_out = part_lse = None
-    if num_splits > 1:
-        part_out = torch.empty(b, num_q_heads, num_splits, 128, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(b, num_q_heads, num_splits, dtype=torch.float32, device=dev)
+    part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
     return DecodePlan(
         page_table=page_table,
         seq_lens=seq_lens,
@@ -723,12 +733,7 @@ def plan_decode(
         )
     if maxnreg is not None:
         maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
-    part_out = part_lse = None
-    if num_splits > 1:
-        part_out = torch.empty(
-            b, num_q_heads, num_splits, view.v_head_dim, dtype=torch.float32, device=dev
-        )
-        part_lse = torch.empty(b, num_q_heads, num_splits, dtype=torch.float32, device=dev)
+    part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
     return DecodePlan(
         page_table=page_table,
         seq_lens=seq_lens,
