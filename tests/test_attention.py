@@ -659,7 +659,7 @@ def test_decode_gpu_llama_geometry(dtype, heavy):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_gpu_gluon(dtype, page):
     """The Gluon kernel against the fp32 oracle: ragged lengths ending mid-tile and mid-page,
@@ -678,10 +678,14 @@ def test_decode_gpu_gluon(dtype, page):
         plan_kw = {"gluon": True, **kw}
         out, ref = run_decode(cache, 8 * group, backend="triton", device="cuda", plan_kw=plan_kw,
                               **dict(opts))
-        assert rel_err(out, ref) < TOL[dtype], (group, kw, opts)
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], (group, kw, opts)
         tri, _ = run_decode(cache, 8 * group, backend="triton", device="cuda",
                             plan_kw={"gluon": False, **kw}, **dict(opts))
-        assert rel_err(out, tri.double().cpu()) < TOL[dtype] / 2, (group, kw, opts)
+        # as close to the oracle as the Triton kernel (nvfp4: the two differ by up to 0.5% on
+        # heavy-tailed caches, the Triton kernel's fp16 p underflowing where this one's, taken
+        # against a running max that moves lazily, does not)
+        assert err <= max(1.25 * rel_err(tri, ref), TOL[dtype] / 4), (group, kw, opts)
 
 
 @gpu
@@ -1066,6 +1070,10 @@ def test_plan_decode_gluon_choice(monkeypatch):
     p5 = attention.plan_decode(c5.view, 32, c5.page_table, c5.seq_lens)
     assert p5.gluon and p5.prefetch  # e5m2: register prefetch (the ring costs it registers)
     assert p5.num_splits == 15  # 12 per SM (1,584 slots): still one wave, the same 15
+    c4 = Cache("nvfp4", [2100] * 4, heads=8, d=128, page=16)
+    p4 = attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens)
+    # nvfp4: decode_gluon_fp4's 3-stage ring, 12 per SM in the split model as e5m2's
+    assert p4.gluon and (p4.prefetch, p4.num_stages, p4.num_splits) == (False, 3, 15)
     # two requests x 8 heads = 16 programs: latency-bound, the Triton kernel
     assert not attention.plan_decode(c8.view, 32, pt[:2], sl[:2]).gluon
     # a Triton knob keeps the Triton kernel; with gluon=True it is refused by name
@@ -1108,6 +1116,32 @@ def test_gluon_unfit_layout_checks():
     assert "strides (1032, 128, 1)" in attention._gluon_unfit(padded, 4)
     # 4-byte aligned rows still suit the Triton kernel's word reads, not the Gluon kernel
     assert attention._asm_ok(bad)
+
+
+def test_gluon_unfit_nvfp4_layout_checks():
+    """nvfp4 caches suit the Gluon kernel (decode_gluon_fp4.py) up to the device check; its
+    64-byte head rows must be 16-byte aligned and the block scales 2-byte aligned with a head's
+    8 bytes contiguous; fp4_mx_block16 is refused by name."""
+    import dataclasses
+
+    v = Cache("nvfp4", [40] * 2, heads=8, d=128, page=16).view
+    assert v.k_block_scale.shape == (v.k.shape[0], 8, 8)
+    assert attention._gluon_unfit(v, 4).startswith("a CPU tensor")
+    mx = Cache("fp4_mx_block16", [40] * 2, heads=8, d=128, page=16).view
+    assert attention._gluon_unfit(mx, 4) == (
+        "fp4_mx_block16 caches (fp8_e4m3, fp8_e5m2, nvfp4 only)"
+    )
+    padded = dataclasses.replace(v, k=_misaligned(v.k, offset=0, pad=8))
+    assert padded.k.stride() == (8 * 64 + 8, 64, 1)
+    assert "a head's 64 bytes not contiguous" in attention._gluon_unfit(padded, 4)
+    assert "strides (520, 64, 1)" in attention._gluon_unfit(padded, 4)
+    odd = dataclasses.replace(v, v_block_scale=_misaligned(v.v_block_scale, offset=1))
+    assert odd.v_block_scale.data_ptr() % 2 == 1
+    why = attention._gluon_unfit(odd, 4)
+    assert why.startswith("block scale rows not 2-byte aligned") and "strides (64, 8, 1)" in why
+    # 16-byte aligned rows of 16 extra bytes are fine (a sliced pool)
+    wide = dataclasses.replace(v, k=_misaligned(v.k, offset=0, pad=16))
+    assert attention._gluon_unfit(wide, 4).startswith("a CPU tensor")
 
 
 def test_gluon_device_checks(monkeypatch):

@@ -253,22 +253,31 @@ GLUON_TRITON = ((3, 6),)
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
     """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
 
-    It needs fp8 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose start and
-    stride are multiples of 16 bytes with each head's 128 bytes contiguous (the kernel reads
-    int32 words, 128-bit loads), and :func:`_gluon_device_unfit`'s device and Triton. The layout
-    checks come first, so they are named (and testable) on any device.
+    It needs fp8 or nvfp4 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose
+    start and stride are multiples of 16 bytes with each head's 128 (fp8) or 64 (nvfp4) bytes
+    contiguous (128-bit loads), nvfp4 block scales 2-byte aligned with a head's 8 contiguous,
+    and :func:`_gluon_device_unfit`'s device and Triton. The layout checks come first, so they
+    are named (and testable) on any device.
     """
-    if view.dtype not in ("fp8_e4m3", "fp8_e5m2"):
-        return f"{view.dtype} caches (fp8_e4m3 and fp8_e5m2 only)"
+    if view.dtype not in _GLUON_CONFIG:
+        return f"{view.dtype} caches ({', '.join(_GLUON_CONFIG)} only)"
     if view.head_dim != 128 or view.v_head_dim != 128:
         return f"head_dim {view.head_dim} / v_head_dim {view.v_head_dim} (128 only)"
     if not 1 <= group <= 8:
         return f"a query group of {group} heads (1..8 only)"
+    row = 64 if view.dtype == "nvfp4" else 128
     for t in (view.k, view.v):
-        if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != 128:
+        if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != row:
             return (
-                f"K/V rows not 16-byte aligned or a head's 128 bytes not contiguous (address "
+                f"K/V rows not 16-byte aligned or a head's {row} bytes not contiguous (address "
                 f"{t.data_ptr()} mod 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())})"
+            )
+    for t in (view.k_block_scale, view.v_block_scale):
+        # nvfp4: lanes read a head's 8 scale bytes in pairs
+        if t is not None and (t.stride(0) % 2 or t.data_ptr() % 2 or t.stride()[1:] != (8, 1)):
+            return (
+                f"block scale rows not 2-byte aligned or a head's 8 bytes not contiguous "
+                f"(address {t.data_ptr()}, strides {tuple(t.stride())})"
             )
     return _gluon_device_unfit(view.k.device)
 
@@ -322,7 +331,19 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # and key sections (``results/run7_h200/gluon/attention.json``, ``stdout.txt``): B=64/8k
 # 0.297-0.300 ms (1.66x SDPA), B=128/8k 0.581-0.584, B=16/8k 0.088-0.089.
 # dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
-_GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12)}
+# nvfp4 (``decode_gluon_fp4.py``): a 3-stage ring (123 registers, 6.9 KiB of shared memory),
+# split model of 12 programs per SM: run 8 (``results/run8_h200/gluon_fp4``), B=64/8k with the
+# grid's KV head fastest: 3 splits 0.245 ms, 4: 0.256, 6: 0.247; rings of 4 and 6 stages and
+# register prefetch were no faster (0.252-0.268 at 3 splits).
+_GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12), "nvfp4": (3, 12)}
+# nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
+# in run 8 (0.287-0.289 ms at 4 splits, every pair), so the shorter integer code path (1) stays
+# and 0 is kept for the record (both tested against the Triton kernel there)
+_GLUON_FP4_DEC = (1, 1)
+# nvfp4 grid order and benchmark ablation: (KV head fastest in the grid, so a request's heads
+# read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
+# B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results)
+_GLUON_FP4_PROBE = (True, 0)
 _GLUON_OVERHEAD = 256
 
 
@@ -993,7 +1014,8 @@ def decode(
     # a plan may come from a view of another dtype or geometry (it is shared across layers)
     if plan.gluon and (unfit := _gluon_unfit(view, g)) is not None:
         raise ValueError(f"`plan` uses the Gluon kernel, which does not run {unfit}")
-    _check_fp4_tile(view, plan.block_n)
+    if not plan.gluon:  # (the Gluon kernel's 16-token tiles are its own code)
+        _check_fp4_tile(view, plan.block_n)
     if plan.num_splits > 1 and (
         plan.part_out is None
         or tuple(plan.part_out.shape) != (bsz, hq, plan.num_splits, view.v_head_dim)
@@ -1090,17 +1112,15 @@ def decode(
 
 
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
-    """Launch ``decode_gluon.decode_kernel`` (the caller merges the splits)."""
-    from kvpool.triton_kernels.decode_gluon import decode_kernel
+    """Launch the fp8 or nvfp4 Gluon decode kernel (the caller merges the splits).
 
+    fp8: ``decode_gluon.decode_kernel``; nvfp4: ``decode_gluon_fp4.decode_kernel`` with a grid
+    whose KV head varies fastest (``_GLUON_FP4_PROBE``).
+    """
     bsz, hq, _ = q.shape
     s = plan.num_splits
-    decode_kernel[(bsz, view.num_kv_heads, s)](
-        q,
-        view.k,
-        view.v,
-        view.k_scale,
-        view.v_scale,
+    head = (q, view.k, view.v)
+    tail = (
         page_table,
         seq_lens,
         sinks if sinks is not None else out,
@@ -1111,6 +1131,16 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         q.stride(1),
         view.k.stride(0),
         view.v.stride(0),
+    )
+    opts = dict(
+        G=hq // view.num_kv_heads,
+        FINAL=s == 1,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=window is not None,
+        HAS_SINKS=sinks is not None,
+        num_warps=1,
+    )
+    rest = (
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
@@ -1119,16 +1149,29 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         int(window or 0),
         view.page_size.bit_length() - 1,
         s,
-        G=hq // view.num_kv_heads,
-        FINAL=s == 1,
-        PREFETCH=plan.prefetch,
-        STAGES=0 if plan.prefetch else plan.num_stages,
-        E5M2=view.dtype == "fp8_e5m2",
-        HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None,
-        HAS_SINKS=sinks is not None,
-        num_warps=1,
     )
+    if view.dtype == "nvfp4":
+        from kvpool.triton_kernels.decode_gluon_fp4 import decode_kernel
+
+        kbs, vbs = view.k_block_scale.view(torch.uint8), view.v_block_scale.view(torch.uint8)
+        paged = view.page_size >= 16  # one page per 16-token tile (the ring needs it)
+        hf, ablate = _GLUON_FP4_PROBE
+        grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
+        decode_kernel[grid](
+            *head, kbs, vbs, view.k_scale, view.v_scale, *tail, kbs.stride(0), vbs.stride(0),
+            *rest, hq // view.num_kv_heads,
+            DEC_K=_GLUON_FP4_DEC[0], DEC_V=_GLUON_FP4_DEC[1], PAGED=paged,
+            STAGES=plan.num_stages if paged and not plan.prefetch else 0, HEAD_FAST=hf,
+            ABLATE=ablate, **opts,
+        )  # fmt: skip
+        return
+    from kvpool.triton_kernels.decode_gluon import decode_kernel
+
+    decode_kernel[(bsz, view.num_kv_heads, s)](
+        *head, view.k_scale, view.v_scale, *tail, *rest,
+        PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
+        E5M2=view.dtype == "fp8_e5m2", **opts,
+    )  # fmt: skip
 
 
 def _check_unit_inner_strides(**tensors: torch.Tensor) -> None:

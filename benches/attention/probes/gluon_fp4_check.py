@@ -1,0 +1,129 @@
+"""Run 8: the nvfp4 Gluon decode (``triton_kernels/decode_gluon_fp4.py``), one device call.
+
+For B=64/8k (page 16, Llama-3.1-8B geometry) and a few other points, in one process: the
+Gluon kernel with each nibble decode (``_GLUON_FP4_DEC``: K, V in {0: integer bit moves,
+1: e4m3 bytes + cvt}) and split counts, the Triton kernel on the same cache, torch SDPA on
+contiguous bf16 (at the start and at the end) and the fp8_e4m3 Gluon kernel; max |difference|
+of each output from the Triton kernel's. ``bench_attention``'s harness (CUDA graph, L2 flushed
+before each of 25 repetitions, median).
+
+    OUT=dir python benches/attention/probes/gluon_fp4_check.py
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.getcwd(), "benches/attention"))
+import bench_attention as ba  # noqa: E402
+import probe_loads  # noqa: E402
+import torch  # noqa: E402
+from kvpool import attention  # noqa: E402
+
+OUT = os.environ.get("OUT", ".")
+RES = []
+DEFAULTS = (
+    attention._GLUON_CONFIG["nvfp4"],
+    attention._GLUON_FP4_DEC,
+    attention._GLUON_FP4_PROBE,
+)
+
+
+def rec(**r):
+    RES.append(r)
+    print(json.dumps(r), flush=True)
+    with open(os.path.join(OUT, "gluon_fp4.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": RES}, f, indent=1)
+
+
+def point(view, b, ctx, page, points, hq=ba.HQ):
+    gen = torch.Generator().manual_seed(b * 7 + ctx)
+    pv = ba.with_page(view, page)
+    pt = ba.page_table(b, ctx, page, view.k.shape[0], gen)
+    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    sl[0] = ctx - 5
+    q = torch.randn(b, hq, ba.D, dtype=torch.bfloat16, device="cuda")
+    ref = None
+    for tag, dec, kw in points:
+        kw = dict(kw)
+        stages = kw.pop("stages", DEFAULTS[0][0])
+        attention._GLUON_FP4_PROBE = (kw.pop("head_fast", True), kw.pop("ablate", 0))
+        try:
+            attention._GLUON_CONFIG["nvfp4"] = (stages, DEFAULTS[0][1])
+            if dec is not None:
+                attention._GLUON_FP4_DEC = dec
+            plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw)
+            out = torch.empty(b, hq, ba.D, dtype=torch.bfloat16, device="cuda")
+            attention.decode(pv, q, plan=plan, out=out)
+            ms, _ = ba.time_ms(lambda p=plan, o=out: attention.decode(pv, q, plan=p, out=o), 25)
+            if ref is None:
+                ref = out.clone()
+            diff = float((out.float() - ref.float()).abs().max())
+            kvb = b * ctx * ba.bytes_per_token(view.dtype) * view.num_kv_heads // ba.HK
+            rec(
+                tag=tag,
+                dtype=view.dtype,
+                B=b,
+                ctx=ctx,
+                page=page,
+                dec=dec,
+                plan=kw,
+                stages=stages,
+                probe=attention._GLUON_FP4_PROBE,
+                splits=plan.num_splits,
+                gluon=plan.gluon,
+                us=ms * 1e3,
+                tbs=kvb / (ms * 1e-3) / 1e12,
+                maxdiff_vs_first=diff,
+            )
+        except Exception as e:  # noqa: BLE001
+            rec(tag=tag, dtype=view.dtype, B=b, ctx=ctx, dec=dec, plan=kw, error=repr(e)[:400])
+    attention._GLUON_CONFIG["nvfp4"], attention._GLUON_FP4_DEC, attention._GLUON_FP4_PROBE = (
+        DEFAULTS
+    )
+
+
+def main():
+    rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+    rows = 64 * 8192 + 4096
+    v4 = ba.make_pool("nvfp4", rows)
+    g = {"gluon": True}
+    if os.environ.get("SWEEP"):  # call 5: ring depth x splits, and a head-major layout emulated
+        pts = [("triton", None, {"gluon": False})]
+        for st in (0, 3, 4, 6):
+            for sp in (3, 4, 6):
+                pts.append(("gluon_head_fast", (1, 1), {**g, "num_splits": sp, "stages": st}))
+        point(v4, 64, 8192, 16, pts)
+        # a head-major page layout ([pages, H, page_size, bytes]: one head's page contiguous),
+        # emulated as in probe_loads.per_head: 512 one-head requests
+        ph = probe_loads.per_head(v4)
+        pts = []
+        for st in (0, 4):
+            pts.append(("per_head_layout", (1, 1), {**g, "num_splits": 3, "stages": st}))
+            pts.append(
+                (
+                    "per_head_layout_loads_only",
+                    (1, 1),
+                    {**g, "num_splits": 3, "stages": st, "ablate": 1},
+                )
+            )
+        point(ph, 64 * ba.HK, 8192, 16, pts, hq=ba.HQ // ba.HK)
+    # the shipped defaults (plan_decode's choice) against the Triton kernel, and loads only
+    pts = [
+        ("triton", None, {"gluon": False}),
+        ("gluon_default", None, {}),
+        ("gluon_loads_only", None, {"ablate": 1, "stages": 3, "num_splits": 3}),
+    ]
+    point(v4, 64, 8192, 16, pts)
+    for b, ctx in ((128, 8192), (16, 8192), (64, 32768), (2, 32768), (1, 32768)):
+        pts = [("triton", None, {"gluon": False}), ("gluon_default", None, {"gluon": True})]
+        point(v4, b, ctx, 64 if b == 128 else 16, pts)
+    del v4
+    v8 = ba.make_pool("fp8_e4m3", rows)
+    point(v8, 64, 8192, 16, [("gluon_fp8", None, {})])
+    del v8
+    rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+
+
+if __name__ == "__main__":
+    main()

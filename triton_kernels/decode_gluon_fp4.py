@@ -1,0 +1,578 @@
+"""Paged decode over nvfp4 caches in Gluon: FP4 nibbles straight into tensor-core fragments.
+
+``@gluon.jit`` code only; the launcher and its checks live in ``kvpool.attention`` (plans with
+``gluon=True`` on nvfp4 caches; the same device and geometry limits as the fp8 kernel in
+``decode_gluon.py``, whose design this follows: one warp per (request, KV head, split), 16-token
+tiles, ``mma.sync.m16n8k16`` with fp16 operands, head dims and value dims permuted so that every
+layout conversion is free, P^T taken from S's accumulator).
+
+What differs for FP4 (the cache row of one head: 64 bytes of E2M1 nibbles, element ``2i`` in the
+low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
+
+- The unit of a load is a *block*: 16 nibbles (one int64) and its scale byte. A lane reads whole
+  blocks (K: 2 blocks of 2 tokens, one 128-bit load each; V: 1 block of 4 tokens), so each
+  register it decodes needs the one scale of its block.
+- Decode (``DEC`` 0, integer): two nibbles ``A`` (bits 12-15 of a word) and ``B`` (bits 28-31)
+  become the fp16 pair ``(A, B) * 2^-14`` exactly by moving bits: the sign to bit 15/31, the
+  magnitude ``e1 e0 m`` to bits 9-11/25-27 (fp16 exponent bits 10-11 and the top mantissa bit: the
+  E2M1 subnormal 0.5 lands on the fp16 subnormal 2^-15, so one rule serves every code).
+  ``DEC`` 1: each nibble is moved onto an e4m3 byte ``s 0 0 e1 e0 m 0 0`` (= E2M1 / 64) and
+  converted in pairs by ``cvt.rn.f16x2.e4m3x2``; fewer integer instructions, more conversions.
+  Either way the pair is then multiplied by the block scale (``mul.rn.f16x2``; exact: a 2-bit by
+  a 4-bit significand, products >= 2^-24, the smallest fp16 subnormal), and the global scale
+  and the decode's 2^14 (or 64) are folded into the softmax scale (K) and the output (V).
+- V^T's A fragment needs two tokens per register: ``prmt`` puts byte ``j`` of two token rows
+  into bytes 1 and 3 (and byte ``j'`` into 0 and 2) of one word, which then yields four
+  registers by shifts.
+
+Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
+"""
+
+import triton  # noqa: F401  (Gluon needs Triton's runtime)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .decode_gluon import _first8, _rows0to7
+
+# --- inline PTX, built once at import ------------------------------------------------------
+
+
+def _bits_pair(x: str, out: str) -> str:
+    """PTX: fp16 pair (nibble at bits 12-15, nibble at 28-31 of ``x``) * 2^-14 into ``out``."""
+    return (
+        f"shr.b32 t, {x}, 3; and.b32 t, t, 0x0E000E00; "
+        f"and.b32 {out}, {x}, 0x80008000; or.b32 {out}, {out}, t; "
+    )
+
+
+def _e4m3_word(w: str) -> str:
+    """PTX: the 8 nibbles of ``w`` as e4m3 bytes (low nibbles -> ``lo``, high -> ``hi``)."""
+    return (
+        f"and.b32 t, {w}, 0x08080808; shl.b32 lo, t, 4; and.b32 t, {w}, 0x07070707; "
+        f"shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, {w}, 0x80808080; "
+        f"shr.u32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
+        "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
+    )
+
+
+def _k_block_asm(dec: int) -> str:
+    """One K block (int64 ``$16``, scale byte ``$17``) -> 16 fp16 ``$0..$15``: pair ``p`` (8 per
+    block, 4 per word) in ``$2p, $2p+1``. ``dec`` 0: pair ``p`` of word ``p // 4`` holds nibbles
+    ``(p % 4, p % 4 + 4)``; 1: nibbles ``(a, a + 2)``, ``a = (0, 4, 1, 5)[p % 4]``."""
+    head = (
+        "{ .reg .b32 w0, w1, t, x, sd, sc, lo, hi, f0, f1, f2, f3; "
+        ".reg .b16 sl, sh, l0, l1, h0, h1; "
+        "mov.b64 {w0, w1}, $16; prmt.b32 sd, $17, 0, 0; mov.b32 {sl, sh}, sd; "
+        "cvt.rn.f16x2.e4m3x2 sc, sl; "
+    )
+    body = ""
+    for j, w in enumerate(("w0", "w1")):
+        if dec == 0:
+            for p in range(4):
+                o = 4 * j + p
+                src = w if p == 3 else "x"
+                if p < 3:
+                    body += f"shl.b32 x, {w}, {12 - 4 * p}; "
+                body += _bits_pair(src, "f0")
+                body += f"mul.rn.f16x2 f0, f0, sc; mov.b32 {{${2 * o}, ${2 * o + 1}}}, f0; "
+        else:
+            body += _e4m3_word(w)
+            body += (
+                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+            )
+            for p, f in enumerate(("f0", "f1", "f2", "f3")):
+                o = 4 * j + p
+                body += f"mul.rn.f16x2 {f}, {f}, sc; mov.b32 {{${2 * o}, ${2 * o + 1}}}, {f}; "
+    return head + body + "}"
+
+
+def _v_block_asm(dec: int) -> str:
+    """One V block of two token rows (int64 ``$32``, ``$33``; scale bytes ``$34``, ``$35``) ->
+    32 fp16: value dim ``c`` of the block (``8 word + nibble``) as ``($2c, $2c+1)`` = (even row,
+    odd row)."""
+    head = (
+        "{ .reg .b32 e0, e1, o0, o1, t, x, y, p, sd, sc, lo, hi, f0, f1, f2, f3; "
+        ".reg .b16 sl, sh, l0, l1, h0, h1; "
+        "mov.b64 {e0, e1}, $32; mov.b64 {o0, o1}, $33; prmt.b32 sd, $34, $35, 0x0040; "
+        "mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
+    )
+    body = ""
+    for j, (we, wo) in enumerate((("e0", "o0"), ("e1", "o1"))):
+        if dec == 0:
+            # x: bytes (we.b0, we.b1, wo.b0, wo.b1) -> nibbles 3, 2, 1, 0 by shifts 0, 4, 8, 12;
+            # y: the same for bytes 2, 3 -> nibbles 7, 6, 5, 4
+            body += f"prmt.b32 x, {we}, {wo}, 0x5410; prmt.b32 y, {we}, {wo}, 0x7632; "
+            for n in range(8):
+                src, sh = ("x", 12 - 4 * n) if n < 4 else ("y", 12 - 4 * (n - 4))
+                c = 8 * j + n
+                if sh:
+                    body += f"shl.b32 p, {src}, {sh}; "
+                body += _bits_pair("p" if sh else src, "f0")
+                body += f"mul.rn.f16x2 f0, f0, sc; mov.b32 {{${2 * c}, ${2 * c + 1}}}, f0; "
+        else:
+            for half, sel in ((0, "0x5140"), (1, "0x7362")):
+                body += f"prmt.b32 p, {we}, {wo}, {sel}; " + _e4m3_word("p")
+                body += (
+                    "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
+                    "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
+                )
+                # l0: nibble 0 of byte pair (dim 4 half + 0), h0: 1, l1: 2, h1: 3
+                for n, f in enumerate(("f0", "f2", "f1", "f3")):
+                    c = 8 * j + 4 * half + n
+                    body += f"mul.rn.f16x2 {f}, {f}, sc; mov.b32 {{${2 * c}, ${2 * c + 1}}}, {f}; "
+    return head + body + "}"
+
+
+# (jit code reads module globals only as constexpr)
+_K_ASM0 = gl.constexpr(_k_block_asm(0))
+_K_ASM1 = gl.constexpr(_k_block_asm(1))
+_V_ASM0 = gl.constexpr(_v_block_asm(0))
+_V_ASM1 = gl.constexpr(_v_block_asm(1))
+_K_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["l", "r"]))
+_V_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 32 + ["l", "l", "r", "r"]))
+
+
+@gluon.jit
+def _tree2(a, b):
+    return gl.join(a, b)
+
+
+@gluon.jit
+def _tree4(a0, a1, a2, a3):
+    """``[..., 2, 2]`` holding ``a[2i + j]`` at ``[..., i, j]`` (``join`` adds the last axis)."""
+    return gl.join(gl.join(a0, a2), gl.join(a1, a3))
+
+
+@gluon.jit
+def _tree8(a0, a1, a2, a3, a4, a5, a6, a7):
+    return gl.join(_tree4(a0, a2, a4, a6), _tree4(a1, a3, a5, a7))
+
+
+@gluon.jit
+def _tree16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    return gl.join(
+        _tree8(a0, a2, a4, a6, a8, a10, a12, a14), _tree8(a1, a3, a5, a7, a9, a11, a13, a15)
+    )
+
+
+@gluon.jit
+def _k_operand(x, s, BOP: gl.constexpr, DEC: gl.constexpr):
+    """K blocks ``[16 tokens, 8 blocks]`` int64 (lane ``4g + t``: tokens g, g+8; blocks 2t, 2t+1)
+    and their scale bytes -> K^T ``[128, 16]`` fp16, the B operand of the QK MMA: logical
+    ``k = 16s + 8h + 2t + e`` is pair ``p = 2(s % 4) + h`` of block ``2t + s // 4``."""
+    o = gl.inline_asm_elementwise(
+        asm=_K_ASM0 if DEC == 0 else _K_ASM1,
+        constraints=_K_CONSTRAINTS,
+        args=[x, s],
+        dtype=(gl.float16,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+    y = _tree16(
+        o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
+        o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15],
+    )  # fmt: skip
+    y = gl.reshape(y, [16, 4, 2, 4, 2, 2])  # (tok, t, i, s % 4, h, e): block 2t + i, p = 2(s%4) + h
+    y = gl.permute(y, [0, 2, 3, 4, 1, 5])  # (tok, i, s % 4, h, t, e)
+    y = gl.reshape(y, [16, 128])
+    return gl.convert_layout(gl.permute(y, [1, 0]), BOP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr):
+    """V blocks ``[16 tokens, 8 blocks]`` int64 (lane ``4g + t``: tokens 2t, 2t+1, 2t+8, 2t+9;
+    block g) and their scale bytes -> V^T ``[128, 16]`` fp16, the A operand of the PV MMA:
+    logical row ``16m + 8r + g`` is value dim ``2m + r`` of block g (stored ``16g + 2m + r``)."""
+    x = gl.permute(gl.reshape(x, [2, 4, 2, 8]), [0, 1, 3, 2])  # (hh, t, g, e)
+    xe, xo = gl.split(x)
+    s = gl.permute(gl.reshape(s, [2, 4, 2, 8]), [0, 1, 3, 2])
+    se, so = gl.split(s)
+    o = gl.inline_asm_elementwise(
+        asm=_V_ASM0 if DEC == 0 else _V_ASM1,
+        constraints=_V_CONSTRAINTS,
+        args=[xe, xo, se, so],
+        dtype=(gl.float16,) * 32,
+        is_pure=True,
+        pack=1,
+    )
+    # o[2c + e]: value dim c, token row e of the pair
+    y = gl.join(
+        _tree16(
+            o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14],
+            o[16], o[18], o[20], o[22], o[24], o[26], o[28], o[30],
+        ),
+        _tree16(
+            o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15],
+            o[17], o[19], o[21], o[23], o[25], o[27], o[29], o[31],
+        ),
+    )  # fmt: skip
+    y = gl.reshape(y, [2, 4, 8, 8, 2, 2])  # (hh, t, g, m, r, e)
+    y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
+    y = gl.reshape(y, [128, 16])
+    return gl.convert_layout(y, AOP, assert_trivial=True)
+
+
+@gluon.jit
+def _load_tile(
+    x_ptr, s_ptr, s, end, pt_row, page_shift, page_mask, sr, ssr, r, c, PAGED: gl.constexpr
+):
+    """Blocks (int64) and scale bytes (as int32) of tokens ``s + min(r, end - 1 - s)``, columns
+    ``c``: rows past the last token repeat it (their scores are masked), so no load is masked and
+    no slot past ``seq_len`` is read. ``PAGED`` (page_size >= 16; tiles start at multiples of 16):
+    the tile lies in one page, so one page id and one 64-bit base serve it and each lane adds a
+    32-bit offset; else a page id per token."""
+    rc = gl.minimum(r, end - 1 - s)
+    if PAGED:
+        page = gl.load(pt_row + (s >> page_shift))
+        row0 = page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
+        x = gl.load((x_ptr + row0 * sr) + ((rc * sr)[:, None] + c[None, :]))
+        sb = gl.load((s_ptr + row0 * ssr) + ((rc * ssr)[:, None] + c[None, :]))
+    else:
+        t = s + rc
+        page = gl.load(pt_row + (t >> page_shift))
+        row = page.to(gl.int64) * (page_mask + 1) + (t & page_mask)
+        x = gl.load(x_ptr + row[:, None] * sr + c[None, :])
+        sb = gl.load(s_ptr + row[:, None] * ssr + c[None, :])
+    return x, sb.to(gl.int32)
+
+
+@gluon.jit
+def _tile_row0(s, pt_row, page_shift, page_mask):
+    """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16)."""
+    page = gl.load(pt_row + (s >> page_shift))
+    return page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
+
+
+@gluon.jit
+def _issue(bufs, stage, s, end, row0, ptrs, srk, srv, ssk, ssv, rd, cd, rs, cs):
+    """cp.async of one tile (K, V blocks; K, V scale rows) into ring stage ``stage``: rows
+    ``row0 + min(r, end - 1 - s)`` (clamped as in ``_load_tile``), one commit group."""
+    kd, vd, ksm, vsm = bufs
+    kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
+    lim = end - 1 - s
+    od = gl.minimum(rd, lim)[:, None]
+    os_ = gl.minimum(rs, lim)[:, None]
+    async_copy.async_copy_global_to_shared(
+        kd.index(stage), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
+    )
+    async_copy.async_copy_global_to_shared(
+        vd.index(stage), (vx_ptr + row0 * srv) + (od * srv + cd[None, :])
+    )
+    async_copy.async_copy_global_to_shared(
+        ksm.index(stage), (ks_ptr + row0 * ssk) + (os_ * ssk + cs[None, :])
+    )
+    async_copy.async_copy_global_to_shared(
+        vsm.index(stage), (vs_ptr + row0 * ssv) + (os_ * ssv + cs[None, :])
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit
+def decode_kernel(
+    Q,
+    K,
+    V,
+    KBS,
+    VBS,
+    KSC,
+    VSC,
+    PT,
+    SEQ,
+    SINKS,
+    OUT,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_vr,
+    stride_ksr,
+    stride_vsr,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    sm_scale,
+    softcap,
+    window,
+    page_shift,
+    num_splits,
+    group,
+    G: gl.constexpr,
+    FINAL: gl.constexpr,
+    DEC_K: gl.constexpr,
+    DEC_V: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
+    PAGED: gl.constexpr,
+    STAGES: gl.constexpr = 0,
+    RESCALE: gl.constexpr = 8.0,
+    HEAD_FAST: gl.constexpr = False,
+    ABLATE: gl.constexpr = 0,
+):
+    BN: gl.constexpr = 16
+    D: gl.constexpr = 128
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
+    )
+    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # K blocks [16 tokens, 8 blocks]: lane 4g + t -> tokens g, g + 8; blocks 2t, 2t + 1
+    KL: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+    )
+    # V blocks [16 tokens, 8 blocks]: lane 4g + t -> tokens 2t, 2t + 1, 2t + 8, 2t + 9; block g
+    VL: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, 8],
+    )
+    # the decode's 2^-14 (DEC 0) or 1/64 (DEC 1), undone with the global scales
+    KMUL: gl.constexpr = 16384.0 if DEC_K == 0 else 64.0
+    VMUL: gl.constexpr = 16384.0 if DEC_V == 0 else 64.0
+
+    if HEAD_FAST:  # grid (H_kv, B, splits): a request's KV heads run side by side
+        b = gl.program_id(1)
+        hk = gl.program_id(0)
+    else:
+        b = gl.program_id(0)
+        hk = gl.program_id(1)
+    split = gl.program_id(2)
+    page_mask = (1 << page_shift) - 1
+    seq = gl.load(SEQ + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = gl.maximum(seq - window, 0)
+    # tiles start at multiples of 16 (tokens before ``lo`` are masked): with page_size >= 16
+    # a tile then lies in one page
+    lo16 = lo // BN * BN
+    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), BN) * BN
+    start = lo16 + split * chunk
+    end = gl.minimum(start + chunk, seq)
+    qk_scale = sm_scale * gl.load(KSC) * KMUL
+
+    # q (A operand) in the permuted head-dim order of _k_operand: logical k = 16s + 8h + 2t + e
+    # -> pair p = 2(s % 4) + h of block 2t + s // 4 -> stored 32t + 16(s // 4) + 8(p // 4) + nib
+    qr = gl.arange(0, 16, layout=gl.SliceLayout(1, QOP))
+    qc = gl.arange(0, D, layout=gl.SliceLayout(0, QOP))
+    qs = qc // 16
+    qp = 2 * (qs % 4) + (qc // 8) % 2
+    qe = qc % 2
+    if DEC_K == 0:
+        nib = qp % 4 + 4 * qe
+    else:
+        nib = 4 * (qp % 2) + (qp % 4) // 2 + 2 * qe
+    phys = 32 * ((qc // 2) % 4) + 16 * (qs // 4) + 8 * (qp // 4) + nib
+    # rows >= G are zero; bounded by the runtime ``group`` (= G), which the compiler cannot fold:
+    # with the constant, ptxas re-creates q's zero registers before every MMA (~20 moves a tile)
+    q = gl.load(
+        Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
+        mask=(qr < group)[:, None],
+        other=0.0,
+    ).to(gl.float16)
+
+    kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
+    kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
+    vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
+    vc = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
+    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    kx_ptr = K.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
+    vx_ptr = V.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
+    ks_ptr = KBS + hk * 8
+    vs_ptr = VBS + hk * 8
+    pt_row = PT + b.to(gl.int64) * stride_pt
+    srk = stride_kr // 8
+    srv = stride_vr // 8
+
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+
+    if STAGES > 0:
+        # ring of STAGES tiles in shared memory filled by cp.async (PAGED only: one page id per
+        # tile, loaded one iteration before its tile is issued)
+        SD: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
+        SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        # copy layouts: K/V blocks as 16-byte pieces (2 per lane), scale rows as 4-byte pieces
+        CD: gl.constexpr = KL
+        CS: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
+        )
+        bufs = (
+            gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
+            gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+            gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+        )
+        ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
+        rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
+        cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
+        rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
+        cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
+        for j in gl.static_range(STAGES - 1):
+            sj = gl.minimum(start + j * BN, end - 1)
+            row0 = _tile_row0(sj, pt_row, page_shift, page_mask)
+            _issue(bufs, j, sj, end, row0, ptrs, srk, srv, stride_ksr, stride_vsr, rd, cd, rs, cs)
+        s_n = gl.minimum(start + (STAGES - 1) * BN, end - 1)
+        row_n = _tile_row0(s_n, pt_row, page_shift, page_mask)
+    else:
+        kx_n, ks_n = _load_tile(
+            kx_ptr,
+            ks_ptr,
+            start,
+            end,
+            pt_row,
+            page_shift,
+            page_mask,
+            srk,
+            stride_ksr,
+            kr,
+            kc,
+            PAGED,
+        )
+        vx_n, vs_n = _load_tile(
+            vx_ptr,
+            vs_ptr,
+            start,
+            end,
+            pt_row,
+            page_shift,
+            page_mask,
+            srv,
+            stride_vsr,
+            vr,
+            vc,
+            PAGED,
+        )
+    i = 0
+    for s in range(start, end, BN):
+        if STAGES > 0:
+            gl.thread_barrier()  # every lane is done with the stage refilled now
+            _issue(
+                bufs,
+                (i + STAGES - 1) % STAGES,
+                s_n,
+                end,
+                row_n,
+                ptrs,
+                srk,
+                srv,
+                stride_ksr,
+                stride_vsr,
+                rd,
+                cd,
+                rs,
+                cs,
+            )
+            s_n = gl.minimum(s + STAGES * BN, end - 1)
+            row_n = _tile_row0(s_n, pt_row, page_shift, page_mask)
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()  # the tile, copied by every lane, is visible
+            st = i % STAGES
+            kx = bufs[0].index(st).load(KL)
+            vx = bufs[1].index(st).load(VL)
+            ks = bufs[2].index(st).load(KL).to(gl.int32)
+            vs = bufs[3].index(st).load(VL).to(gl.int32)
+            i += 1
+        else:
+            kx, ks, vx, vs = kx_n, ks_n, vx_n, vs_n
+            # the next tile (past ``end`` it re-reads this tile's last row; its result is unused)
+            nxt = gl.minimum(s + BN, end - 1)
+            kx_n, ks_n = _load_tile(
+                kx_ptr,
+                ks_ptr,
+                nxt,
+                end,
+                pt_row,
+                page_shift,
+                page_mask,
+                srk,
+                stride_ksr,
+                kr,
+                kc,
+                PAGED,
+            )
+            vx_n, vs_n = _load_tile(
+                vx_ptr,
+                vs_ptr,
+                nxt,
+                end,
+                pt_row,
+                page_shift,
+                page_mask,
+                srv,
+                stride_vsr,
+                vr,
+                vc,
+                PAGED,
+            )
+
+        if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
+            t = gl.sum(gl.sum(kx ^ ks.to(gl.int64), 1), 0) + gl.sum(
+                gl.sum(vx ^ vs.to(gl.int64), 1), 0
+            )
+            acc = acc + t.to(gl.float32)
+        else:
+            kt = _k_operand(kx, ks, KOP, DEC_K)
+            sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
+            if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
+                sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
+                    softcap * 1.4426950408889634
+                )
+            else:
+                sacc = sacc * (qk_scale * 1.4426950408889634)
+            valid = (s + sc) < end
+            if HAS_WINDOW:
+                valid = valid & ((s + sc) >= lo)
+            sacc = gl.where(valid[None, :], sacc, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
+            # lazy rescale: the running max moves only when some row grew by more than RESCALE
+            # (log2 units), so p stays <= 2^RESCALE (fp16) and acc/l are rescaled rarely; exact,
+            # since the same (stale) max serves p, l and acc
+            if gl.max(m_new - m_i, axis=0) > RESCALE:
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
+            p = gl.exp2(sacc - m_i[:, None])
+            l_i = l_i + gl.sum(p, axis=1)
+            p8 = _rows0to7(p.to(gl.float16), BN)
+            pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
+            acc = mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
+
+    # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 2m + r
+    l8 = gl.convert_layout(_first8(l_i), gl.SliceLayout(0, MMA))
+    m8 = gl.convert_layout(_first8(m_i), gl.SliceLayout(0, MMA))
+    orow = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    dv = 16 * (orow % 8) + 2 * (orow // 16) + (orow // 8) % 2
+    hmask = ocol < G
+    l_safe = gl.where(l8 > 0, l8, 1.0)
+    heads = hk * G + ocol
+    if FINAL:
+        if HAS_SINKS:
+            sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
+            m_s = gl.maximum(m8, sink)
+            l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
+            acc = acc * gl.exp2(m8 - m_s)[None, :]
+            l_safe = gl.where(l8 > 0, l8, 1.0)
+        vf = gl.load(VSC) * VMUL
+        o = acc * (vf / l_safe)[None, :]
+        gl.store(
+            OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
+            o.to(OUT.dtype.element_ty),
+            mask=hmask[None, :],
+        )
+    else:
+        # partial outputs in the units of the merge (decode.merge_kernel: E2M1 / 64)
+        o = acc * ((VMUL / 64.0) / l_safe)[None, :]
+        lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
+        row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
+        gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])
+        gl.store(PL + row, lse, mask=hmask)
