@@ -25,6 +25,22 @@ low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
   into bytes 1 and 3 (and byte ``j'`` into 0 and 2) of one word, which then yields four
   registers by shifts.
 
+Loads: with ``STAGES`` (3 by default; page_size >= 16, so that a 16-aligned tile lies in one
+page: ``PAGED``) a ring of tiles in shared memory filled by ``cp.async`` (blocks as 16-byte
+pieces, scale rows as 4-byte pieces), one page id per tile loaded an iteration ahead; with
+``STAGES=0`` the next tile goes into registers (smaller pages: a page id per token). Tiles start
+at multiples of 16 (tokens before a sliding window's start are masked) and rows past the last
+token repeat it (masked scores), so no load is masked. The grid runs the KV head fastest
+(``HEAD_FAST``): a request's heads share token rows and 32-byte scale sectors. The softmax
+rescales ``acc`` only when a row's max grew by more than ``RESCALE`` (log2 units; exact: the same
+stale max serves p, l and acc, p <= 2^RESCALE in fp16). ``ABLATE=1`` (probes only) keeps the
+loads and drops the math.
+
+Why (``benches/attention/results/run8_h200/NOTES.md``, H200, B=64/8k): 0.245 ms vs the Triton
+kernel's 0.421-0.425 (1.99x SDPA on contiguous bf16 instead of 1.15-1.17x), ~490 SASS
+instructions per 16-token tile; its loads alone take as long (0.246 ms): the token-major FP4
+layout (64 + 8 bytes of a head per 576-byte token row) is what bounds it.
+
 Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
 """
 

@@ -508,10 +508,12 @@ class DecodePlan:
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     gluon : bool
-        Launch the Gluon kernel (``triton_kernels/decode_gluon.py``: fp8, head_dim 128, 16-token
-        tiles into tensor-core fragments without layout conversions, one warp per program; a
-        3-stage cp.async ring for e4m3, ``prefetch`` (registers) for e5m2) instead of the Triton
-        one; the other kernel options are unused.
+        Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8,
+        ``decode_gluon_fp4.py`` for nvfp4; head_dim 128, 16-token tiles into tensor-core
+        fragments without layout conversions, one warp per program; a 3-stage cp.async ring for
+        e4m3 and nvfp4 (nvfp4 with page_size >= 16; smaller pages prefetch into registers),
+        ``prefetch`` (registers) for e5m2) instead of the Triton one; the other kernel options
+        are unused.
     """
 
     page_table: torch.Tensor
@@ -634,15 +636,17 @@ def plan_decode(
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
     gluon : bool, optional
-        Use the Gluon kernel. Default: where it can run (fp8 caches, CUDA compute capability
-        8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a Triton in
+        Use the Gluon kernel. Default: where it can run (fp8 or nvfp4 caches, CUDA compute
+        capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
+        Triton in
         ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, the batch has
         more than 16 programs per split (B x KV heads) and the longest request is at least
         2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
-        contiguous bf16 instead of 1.48x). True where it cannot run raises ValueError naming
-        why.
+        contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): nvfp4
+        B=64/8k 0.245 ms vs 0.421-0.425 (1.99x SDPA instead of 1.15x). True where it cannot
+        run raises ValueError naming why.
 
     Returns
     -------

@@ -115,7 +115,7 @@ def main():
         ("gluon_loads_only", None, {"ablate": 1, "stages": 3, "num_splits": 3}),
     ]
     point(v4, 64, 8192, 16, pts)
-    for b, ctx in ((128, 8192), (16, 8192), (64, 32768), (2, 32768), (1, 32768)):
+    for b, ctx in ((128, 4096), (16, 8192), (16, 32768), (2, 32768), (1, 32768)):
         pts = [("triton", None, {"gluon": False}), ("gluon_default", None, {"gluon": True})]
         point(v4, b, ctx, 64 if b == 128 else 16, pts)
     del v4
