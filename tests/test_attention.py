@@ -689,6 +689,22 @@ def test_decode_gpu_gluon(dtype, page):
 
 
 @gpu
+def test_decode_gpu_gluon_nvfp4_odd_heads():
+    """3 KV heads: nvfp4 block-scale rows of 24 bytes are not 16-byte aligned, so the launcher
+    takes register prefetch instead of the cp.async ring (which would not compile); splits past
+    the end of short requests read only their last row."""
+    lens = [1, 17, 300, 2100]
+    cache = Cache("nvfp4", lens, heads=3, d=128, page=16, device="cuda", heavy=True)
+    for kw in ({"num_splits": 1}, {"num_splits": 6}):
+        out, ref = run_decode(cache, 12, backend="triton", device="cuda",
+                              plan_kw={"gluon": True, **kw})
+        err = rel_err(out, ref)
+        tri, _ = run_decode(cache, 12, backend="triton", device="cuda",
+                            plan_kw={"gluon": False, **kw})
+        assert err < TOL["nvfp4"] and err <= max(1.25 * rel_err(tri, ref), TOL["nvfp4"] / 4), kw
+
+
+@gpu
 def test_decode_gpu_gluon_default_and_refusals():
     """fp8 at head_dim 128 with more than 16 programs takes the Gluon kernel by default; a plan
     made for it refuses a layer it cannot run, and gluon=True refuses such a layer up front."""

@@ -232,22 +232,44 @@ def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr):
 
 @gluon.jit
 def _load_tile(
-    x_ptr, s_ptr, s, end, pt_row, page_shift, page_mask, sr, ssr, r, c, PAGED: gl.constexpr
+    x_ptr,
+    s_ptr,
+    s,
+    end,
+    pt_row,
+    page_shift,
+    page_mask,
+    sr,
+    ssr,
+    r,
+    c,
+    PAGED: gl.constexpr,
+    GUARD: gl.constexpr = False,
 ):
     """Blocks (int64) and scale bytes (as int32) of tokens ``s + min(r, end - 1 - s)``, columns
     ``c``: rows past the last token repeat it (their scores are masked), so no load is masked and
     no slot past ``seq_len`` is read. ``PAGED`` (page_size >= 16; tiles start at multiples of 16):
     the tile lies in one page, so one page id and one 64-bit base serve it and each lane adds a
-    32-bit offset; else a page id per token."""
-    rc = gl.minimum(r, end - 1 - s)
+    32-bit offset; else a page id per token. ``GUARD`` (prologue): an empty request (``end`` 0,
+    outside the documented range) reads row 0 of page 0, never its page-table entry."""
+    if GUARD:  # the prologue: the tile may lie past ``end``, the request may be empty
+        rc = gl.minimum(r, gl.maximum(end - 1 - s, 0))
+    else:  # in the loop s < end
+        rc = gl.minimum(r, end - 1 - s)
     if PAGED:
-        page = gl.load(pt_row + (s >> page_shift))
+        if GUARD:
+            page = gl.load(pt_row + (s >> page_shift), mask=s < end, other=0)
+        else:
+            page = gl.load(pt_row + (s >> page_shift))
         row0 = page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
         x = gl.load((x_ptr + row0 * sr) + ((rc * sr)[:, None] + c[None, :]))
         sb = gl.load((s_ptr + row0 * ssr) + ((rc * ssr)[:, None] + c[None, :]))
     else:
         t = s + rc
-        page = gl.load(pt_row + (t >> page_shift))
+        if GUARD:
+            page = gl.load(pt_row + (t >> page_shift), mask=t < end, other=0)
+        else:
+            page = gl.load(pt_row + (t >> page_shift))
         row = page.to(gl.int64) * (page_mask + 1) + (t & page_mask)
         x = gl.load(x_ptr + row[:, None] * sr + c[None, :])
         sb = gl.load(s_ptr + row[:, None] * ssr + c[None, :])
@@ -255,19 +277,27 @@ def _load_tile(
 
 
 @gluon.jit
-def _tile_row0(s, pt_row, page_shift, page_mask):
-    """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16)."""
-    page = gl.load(pt_row + (s >> page_shift))
+def _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD: gl.constexpr = False):
+    """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16); page 0
+    for an empty request."""
+    if GUARD:
+        page = gl.load(pt_row + (s >> page_shift), mask=s < end, other=0)
+    else:
+        page = gl.load(pt_row + (s >> page_shift))
     return page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
 
 
 @gluon.jit
-def _issue(bufs, stage, s, end, row0, ptrs, srk, srv, ssk, ssv, rd, cd, rs, cs):
+def _issue(
+    bufs, stage, s, end, row0, ptrs, srk, srv, ssk, ssv, rd, cd, rs, cs, GUARD: gl.constexpr
+):
     """cp.async of one tile (K, V blocks; K, V scale rows) into ring stage ``stage``: rows
     ``row0 + min(r, end - 1 - s)`` (clamped as in ``_load_tile``), one commit group."""
     kd, vd, ksm, vsm = bufs
     kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
     lim = end - 1 - s
+    if GUARD:  # the prologue: an empty request (``end`` 0)
+        lim = gl.maximum(lim, 0)
     od = gl.minimum(rd, lim)[:, None]
     os_ = gl.minimum(rs, lim)[:, None]
     async_copy.async_copy_global_to_shared(
@@ -432,16 +462,20 @@ def decode_kernel(
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
         cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
         for j in gl.static_range(STAGES - 1):
-            sj = gl.minimum(start + j * BN, end - 1)
-            row0 = _tile_row0(sj, pt_row, page_shift, page_mask)
-            _issue(bufs, j, sj, end, row0, ptrs, srk, srv, stride_ksr, stride_vsr, rd, cd, rs, cs)
-        s_n = gl.minimum(start + (STAGES - 1) * BN, end - 1)
-        row_n = _tile_row0(s_n, pt_row, page_shift, page_mask)
+            sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
+            row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
+            _issue(
+                bufs, j, sj, end, row0, ptrs, srk, srv, stride_ksr, stride_vsr, rd, cd, rs, cs, True
+            )
+        s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
+        row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask, True)
     else:
+        # (a split past the end, or an empty request, reads the last row, or row 0 of page 0)
+        s0 = gl.maximum(gl.minimum(start, end - 1), 0)
         kx_n, ks_n = _load_tile(
             kx_ptr,
             ks_ptr,
-            start,
+            s0,
             end,
             pt_row,
             page_shift,
@@ -451,11 +485,12 @@ def decode_kernel(
             kr,
             kc,
             PAGED,
+            True,
         )
         vx_n, vs_n = _load_tile(
             vx_ptr,
             vs_ptr,
-            start,
+            s0,
             end,
             pt_row,
             page_shift,
@@ -465,6 +500,7 @@ def decode_kernel(
             vr,
             vc,
             PAGED,
+            True,
         )
     i = 0
     for s in range(start, end, BN):
@@ -485,9 +521,10 @@ def decode_kernel(
                 cd,
                 rs,
                 cs,
+                False,
             )
             s_n = gl.minimum(s + STAGES * BN, end - 1)
-            row_n = _tile_row0(s_n, pt_row, page_shift, page_mask)
+            row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile, copied by every lane, is visible
             st = i % STAGES

@@ -273,8 +273,13 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
                 f"{t.data_ptr()} mod 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())})"
             )
     for t in (view.k_block_scale, view.v_block_scale):
-        # nvfp4: lanes read a head's 8 scale bytes in pairs
-        if t is not None and (t.stride(0) % 2 or t.data_ptr() % 2 or t.stride()[1:] != (8, 1)):
+        # nvfp4: lanes read a head's 8 scale bytes in pairs ([R, H, 8] or [R, H * 8] rows)
+        if t is not None and (
+            t.stride(0) % 2
+            or t.data_ptr() % 2
+            or t.stride(-1) != 1
+            or (t.dim() == 3 and t.stride(1) != 8)
+        ):
             return (
                 f"block scale rows not 2-byte aligned or a head's 8 bytes not contiguous "
                 f"(address {t.data_ptr()}, strides {tuple(t.stride())})"
@@ -337,8 +342,8 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # register prefetch were no faster (0.252-0.268 at 3 splits).
 _GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12), "nvfp4": (3, 12)}
 # nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
-# in run 8 (0.287-0.289 ms at 4 splits, every pair), so the shorter integer code path (1) stays
-# and 0 is kept for the record (both tested against the Triton kernel there)
+# in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
+# kept for the record (both matched the Triton kernel there)
 _GLUON_FP4_DEC = (1, 1)
 # nvfp4 grid order and benchmark ablation: (KV head fastest in the grid, so a request's heads
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
@@ -967,7 +972,7 @@ def decode(
         A tensor of the wrong shape, dtype or device (the message names it), a bad option;
         for the kernels also ``q``, ``out`` or ``page_table`` not contiguous in the last dim,
         ``seq_lens`` not contiguous, and a ``plan`` made for another batch or one whose kernel
-        cannot run this layer (a Gluon plan on a non-fp8 view, another head_dim, ...).
+        cannot run this layer (a Gluon plan on a bf16 or fp4_mx view, another head_dim, ...).
     """
     _check_view(view)
     dev = view.k.device
@@ -1159,13 +1164,17 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
 
         kbs, vbs = view.k_block_scale.view(torch.uint8), view.v_block_scale.view(torch.uint8)
         paged = view.page_size >= 16  # one page per 16-token tile (the ring needs it)
+        # the ring copies scale rows in 4-byte pieces: Triton must see 16-byte aligned rows
+        # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
+        ring = paged and not plan.prefetch
+        ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
         hf, ablate = _GLUON_FP4_PROBE
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         decode_kernel[grid](
             *head, kbs, vbs, view.k_scale, view.v_scale, *tail, kbs.stride(0), vbs.stride(0),
             *rest, hq // view.num_kv_heads,
             DEC_K=_GLUON_FP4_DEC[0], DEC_V=_GLUON_FP4_DEC[1], PAGED=paged,
-            STAGES=plan.num_stages if paged and not plan.prefetch else 0, HEAD_FAST=hf,
+            STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
             ABLATE=ablate, **opts,
         )  # fmt: skip
         return
