@@ -133,22 +133,47 @@ def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
 
 
 @gluon.jit
-def _rows(s, end, pt_row, page_shift, page_mask, r):
-    """Cache rows (int64) of tokens ``s + r`` and their mask (tokens before ``end``)."""
-    t = s + r
-    tm = t < end
-    p = gl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-    return p.to(gl.int64) * (page_mask + 1) + (t & page_mask), tm
+def _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD: gl.constexpr = False):
+    """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16: the tile
+    lies in one page). ``GUARD`` (prologue): page 0 for an empty request (``end`` 0)."""
+    if GUARD:
+        page = gl.load(pt_row + (s >> page_shift), mask=s < end, other=0)
+    else:
+        page = gl.load(pt_row + (s >> page_shift))
+    return page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
 
 
 @gluon.jit
-def _load_tile(s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc):
-    """Raw K and V words of tokens [s, s + 16) (rows past ``end`` masked, not read)."""
-    rk, mk = _rows(s, end, pt_row, page_shift, page_mask, kr)
-    kw = gl.load(kw_ptr + rk[:, None] * srk + kc[None, :], mask=mk[:, None], other=0)
-    rv, mv = _rows(s, end, pt_row, page_shift, page_mask, vr)
-    vw = gl.load(vw_ptr + rv[:, None] * srv + vc[None, :], mask=mv[:, None], other=0)
-    return kw, vw
+def _tile_rows(s, end, pt_row, page_shift, page_mask, r, PAGED: gl.constexpr, GUARD: gl.constexpr):
+    """Where tokens ``s + min(r, end - 1 - s)`` live: rows past the last token repeat it (their
+    scores are masked), so no load is masked and no slot past ``seq_len`` is read. ``PAGED``:
+    ``(row0, rc)``, the tile's first row (int64, one page id) and 32-bit row offsets; else
+    ``(0, row)``, a page id per token. ``GUARD`` (prologue): tiles past the end of the request,
+    or an empty request (row 0 of page 0)."""
+    lim = end - 1 - s
+    if GUARD:
+        lim = gl.maximum(lim, 0)
+    rc = gl.minimum(r, lim)
+    if PAGED:
+        row0 = _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD)
+        rows = rc
+    else:
+        t = s + rc
+        if GUARD:
+            page = gl.load(pt_row + (t >> page_shift), mask=t < end, other=0)
+        else:
+            page = gl.load(pt_row + (t >> page_shift))
+        row0 = 0
+        rows = page.to(gl.int64) * (page_mask + 1) + (t & page_mask)
+    return row0, rows
+
+
+@gluon.jit
+def _addr(ptr, sr, row0, rows, c, PAGED: gl.constexpr):
+    """Addresses of columns ``c`` of the rows of :func:`_tile_rows` (row stride ``sr``)."""
+    if PAGED:
+        return (ptr + row0 * sr) + ((rows * sr)[:, None] + c[None, :])
+    return ptr + rows[:, None] * sr + c[None, :]
 
 
 @gluon.jit
@@ -164,14 +189,10 @@ def _first8(x):
 
 
 @gluon.jit
-def _issue(ks, vs, stage, rk, mk, rv, mv, kw_ptr, vw_ptr, srk, srv, kc, vc):
+def _issue(ks, vs, stage, k_addr, v_addr):
     """cp.async of one tile's K and V words into ring stage ``stage`` (one commit group)."""
-    async_copy.async_copy_global_to_shared(
-        ks.index(stage), kw_ptr + rk[:, None] * srk + kc[None, :], mask=mk[:, None]
-    )
-    async_copy.async_copy_global_to_shared(
-        vs.index(stage), vw_ptr + rv[:, None] * srv + vc[None, :], mask=mv[:, None]
-    )
+    async_copy.async_copy_global_to_shared(ks.index(stage), k_addr)
+    async_copy.async_copy_global_to_shared(vs.index(stage), v_addr)
     async_copy.commit_group()
 
 
@@ -200,6 +221,7 @@ def decode_kernel(
     window,
     page_shift,
     num_splits,
+    group,
     G: gl.constexpr,
     FINAL: gl.constexpr,
     PREFETCH: gl.constexpr,
@@ -208,6 +230,9 @@ def decode_kernel(
     HAS_WINDOW: gl.constexpr,
     HAS_SINKS: gl.constexpr,
     STAGES: gl.constexpr = 0,
+    PAGED: gl.constexpr = False,
+    RESCALE: gl.constexpr = -1.0,
+    HEAD_FAST: gl.constexpr = False,
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
@@ -232,26 +257,35 @@ def decode_kernel(
         shape=[16, 32],
     )
 
-    b = gl.program_id(0)
-    hk = gl.program_id(1)
+    if HEAD_FAST:  # grid (H_kv, B, splits): a request's KV heads run side by side
+        b = gl.program_id(1)
+        hk = gl.program_id(0)
+    else:
+        b = gl.program_id(0)
+        hk = gl.program_id(1)
     split = gl.program_id(2)
     page_mask = (1 << page_shift) - 1
     seq = gl.load(SEQ + b)
     lo = 0
     if HAS_WINDOW:
         lo = gl.maximum(seq - window, 0)
-    chunk = gl.cdiv(gl.cdiv(seq - lo, num_splits), BN) * BN
-    start = lo + split * chunk
+    # tiles start at multiples of 16 (tokens before ``lo`` are masked): with page_size >= 16
+    # (``PAGED``) a tile then lies in one page
+    lo16 = lo // BN * BN
+    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), BN) * BN
+    start = lo16 + split * chunk
     end = gl.minimum(start + chunk, seq)
     qk_scale = sm_scale * gl.load(KSC)
 
-    # q (A operand, logical head dims): rows >= G are zero
+    # q (A operand, logical head dims): rows >= G are zero; bounded by the runtime ``group``
+    # (= G), which the compiler cannot fold: with the constant, ptxas re-creates q's zero
+    # registers before every MMA
     qr = gl.arange(0, 16, layout=gl.SliceLayout(1, QOP))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, QOP))
     phys = 32 * ((qc // 2) % 4) + 4 * (qc // 16) + 2 * ((qc // 8) % 2) + qc % 2
     q = gl.load(
         Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
-        mask=(qr < G)[:, None],
+        mask=(qr < group)[:, None],
         other=0.0,
     ).to(gl.float16)
 
@@ -277,16 +311,26 @@ def decode_kernel(
         ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
         vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
         for j in gl.static_range(STAGES - 1):
-            rk, mk = _rows(start + j * BN, end, pt_row, page_shift, page_mask, kr)
-            rv, mv = _rows(start + j * BN, end, pt_row, page_shift, page_mask, vr)
-            _issue(ks, vs, j, rk, mk, rv, mv, kw_ptr, vw_ptr, srk, srv, kc, vc)
-        nk, nmk = _rows(start + (STAGES - 1) * BN, end, pt_row, page_shift, page_mask, kr)
-        nv, nmv = _rows(start + (STAGES - 1) * BN, end, pt_row, page_shift, page_mask, vr)
+            sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
+            k0, rk = _tile_rows(sj, end, pt_row, page_shift, page_mask, kr, PAGED, True)
+            v0, rv = _tile_rows(sj, end, pt_row, page_shift, page_mask, vr, PAGED, True)
+            _issue(
+                ks,
+                vs,
+                j,
+                _addr(kw_ptr, srk, k0, rk, kc, PAGED),
+                _addr(vw_ptr, srv, v0, rv, vc, PAGED),
+            )
+        sn = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
+        nk0, nk = _tile_rows(sn, end, pt_row, page_shift, page_mask, kr, PAGED, True)
+        nv0, nv = _tile_rows(sn, end, pt_row, page_shift, page_mask, vr, PAGED, True)
     i = 0
     if PREFETCH and STAGES == 0:
-        kw_n, vw_n = _load_tile(
-            start, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
-        )
+        s0 = gl.maximum(gl.minimum(start, end - 1), 0)
+        k0, rk = _tile_rows(s0, end, pt_row, page_shift, page_mask, kr, PAGED, True)
+        v0, rv = _tile_rows(s0, end, pt_row, page_shift, page_mask, vr, PAGED, True)
+        kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
+        vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
     for s in range(start, end, BN):
         if STAGES > 0:
             gl.thread_barrier()  # every lane is done with the stage refilled now
@@ -294,33 +338,32 @@ def decode_kernel(
                 ks,
                 vs,
                 (i + STAGES - 1) % STAGES,
-                nk,
-                nmk,
-                nv,
-                nmv,
-                kw_ptr,
-                vw_ptr,
-                srk,
-                srv,
-                kc,
-                vc,
+                _addr(kw_ptr, srk, nk0, nk, kc, PAGED),
+                _addr(vw_ptr, srv, nv0, nv, vc, PAGED),
             )
-            nk, nmk = _rows(s + STAGES * BN, end, pt_row, page_shift, page_mask, kr)
-            nv, nmv = _rows(s + STAGES * BN, end, pt_row, page_shift, page_mask, vr)
+            # (past the end: this tile's last row again, unused)
+            sn = gl.minimum(s + STAGES * BN, end - 1)
+            nk0, nk = _tile_rows(sn, end, pt_row, page_shift, page_mask, kr, PAGED, False)
+            nv0, nv = _tile_rows(sn, end, pt_row, page_shift, page_mask, vr, PAGED, False)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile's words, copied by every lane, are visible
             kw = ks.index(i % STAGES).load(KL)
             vw = vs.index(i % STAGES).load(VL)
             i += 1
-        elif PREFETCH:
-            kw, vw = kw_n, vw_n
-            kw_n, vw_n = _load_tile(
-                s + BN, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
-            )
         else:
-            kw, vw = _load_tile(
-                s, end, pt_row, page_shift, page_mask, kw_ptr, vw_ptr, srk, srv, kr, kc, vr, vc
-            )
+            if PREFETCH:
+                kw, vw = kw_n, vw_n
+                sl = gl.minimum(s + BN, end - 1)  # the next tile (past the end: unused)
+            else:
+                sl = s
+            k0, rk = _tile_rows(sl, end, pt_row, page_shift, page_mask, kr, PAGED, False)
+            v0, rv = _tile_rows(sl, end, pt_row, page_shift, page_mask, vr, PAGED, False)
+            kw_l = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
+            vw_l = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
+            if PREFETCH:
+                kw_n, vw_n = kw_l, vw_l
+            else:
+                kw, vw = kw_l, vw_l
 
         kt = _k_operand(kw, KOP, E5M2)
         sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
@@ -330,17 +373,31 @@ def decode_kernel(
             )
         else:
             sacc = sacc * (qk_scale * 1.4426950408889634)
-        sacc = gl.where(((s + sc) < end)[None, :], sacc, float("-inf"))
+        valid = (s + sc) < end
+        if HAS_WINDOW:
+            valid = valid & ((s + sc) >= lo)
+        sacc = gl.where(valid[None, :], sacc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sacc - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        if RESCALE >= 0:
+            # lazy rescale: the running max moves only when some row grew by more than
+            # RESCALE (log2 units), so p <= 2^RESCALE (fp16) and acc/l are rescaled rarely;
+            # exact, since the same (stale) max serves p, l and acc
+            if gl.max(m_new - m_i, axis=0) > RESCALE:
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                m_i = m_new
+                acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
+            p = gl.exp2(sacc - m_i[:, None])
+            l_i = l_i + gl.sum(p, axis=1)
+        else:
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(sacc - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
         # P^T: rows 0..7 of p, as the B operand of the PV dot
         p8 = _rows0to7(p.to(gl.float16), BN)
         pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
-        a8 = gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))
-        acc = acc * a8[None, :]
         acc = mma_v2(_v_operand(vw, VOP, E5M2), pt, acc)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 4jw + 2bh + r,
@@ -371,6 +428,6 @@ def decode_kernel(
     else:
         o = acc / l_safe[None, :]
         lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
-        row = (b * (G * gl.num_programs(1)) + heads) * num_splits + split
+        row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
         gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])
         gl.store(PL + row, lse, mask=hmask)

@@ -49,7 +49,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .decode_gluon import _first8, _rows0to7
+from .decode_gluon import _addr, _first8, _rows0to7, _tile_row0, _tile_rows
 
 # --- inline PTX, built once at import ------------------------------------------------------
 
@@ -246,45 +246,12 @@ def _load_tile(
     PAGED: gl.constexpr,
     GUARD: gl.constexpr = False,
 ):
-    """Blocks (int64) and scale bytes (as int32) of tokens ``s + min(r, end - 1 - s)``, columns
-    ``c``: rows past the last token repeat it (their scores are masked), so no load is masked and
-    no slot past ``seq_len`` is read. ``PAGED`` (page_size >= 16; tiles start at multiples of 16):
-    the tile lies in one page, so one page id and one 64-bit base serve it and each lane adds a
-    32-bit offset; else a page id per token. ``GUARD`` (prologue): an empty request (``end`` 0,
-    outside the documented range) reads row 0 of page 0, never its page-table entry."""
-    if GUARD:  # the prologue: the tile may lie past ``end``, the request may be empty
-        rc = gl.minimum(r, gl.maximum(end - 1 - s, 0))
-    else:  # in the loop s < end
-        rc = gl.minimum(r, end - 1 - s)
-    if PAGED:
-        if GUARD:
-            page = gl.load(pt_row + (s >> page_shift), mask=s < end, other=0)
-        else:
-            page = gl.load(pt_row + (s >> page_shift))
-        row0 = page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
-        x = gl.load((x_ptr + row0 * sr) + ((rc * sr)[:, None] + c[None, :]))
-        sb = gl.load((s_ptr + row0 * ssr) + ((rc * ssr)[:, None] + c[None, :]))
-    else:
-        t = s + rc
-        if GUARD:
-            page = gl.load(pt_row + (t >> page_shift), mask=t < end, other=0)
-        else:
-            page = gl.load(pt_row + (t >> page_shift))
-        row = page.to(gl.int64) * (page_mask + 1) + (t & page_mask)
-        x = gl.load(x_ptr + row[:, None] * sr + c[None, :])
-        sb = gl.load(s_ptr + row[:, None] * ssr + c[None, :])
+    """Blocks (int64) and scale bytes (as int32) of tokens ``s + r``, columns ``c``: rows past
+    the last token repeat it and ``PAGED`` tiles take one page id (``decode_gluon._tile_rows``)."""
+    row0, rows = _tile_rows(s, end, pt_row, page_shift, page_mask, r, PAGED, GUARD)
+    x = gl.load(_addr(x_ptr, sr, row0, rows, c, PAGED))
+    sb = gl.load(_addr(s_ptr, ssr, row0, rows, c, PAGED))
     return x, sb.to(gl.int32)
-
-
-@gluon.jit
-def _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD: gl.constexpr = False):
-    """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16); page 0
-    for an empty request."""
-    if GUARD:
-        page = gl.load(pt_row + (s >> page_shift), mask=s < end, other=0)
-    else:
-        page = gl.load(pt_row + (s >> page_shift))
-    return page.to(gl.int64) * (page_mask + 1) + (s & page_mask)
 
 
 @gluon.jit

@@ -349,6 +349,9 @@ _GLUON_FP4_DEC = (1, 1)
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
 # B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results)
 _GLUON_FP4_PROBE = (True, 0)
+# fp8 kernel options (one page id per 16-aligned tile where page_size >= 16; lazy softmax
+# rescale threshold in log2 units, < 0: every tile; KV-head-fast grid)
+_GLUON_FP8_PROBE = (True, -1.0, False)
 _GLUON_OVERHEAD = 256
 
 
@@ -1158,6 +1161,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         int(window or 0),
         view.page_size.bit_length() - 1,
         s,
+        hq // view.num_kv_heads,
     )
     if view.dtype == "nvfp4":
         from kvpool.triton_kernels.decode_gluon_fp4 import decode_kernel
@@ -1172,7 +1176,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         decode_kernel[grid](
             *head, kbs, vbs, view.k_scale, view.v_scale, *tail, kbs.stride(0), vbs.stride(0),
-            *rest, hq // view.num_kv_heads,
+            *rest,
             DEC_K=_GLUON_FP4_DEC[0], DEC_V=_GLUON_FP4_DEC[1], PAGED=paged,
             STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
             ABLATE=ablate, **opts,
@@ -1180,10 +1184,13 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         return
     from kvpool.triton_kernels.decode_gluon import decode_kernel
 
-    decode_kernel[(bsz, view.num_kv_heads, s)](
+    paged, rescale, hf = _GLUON_FP8_PROBE
+    grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
+    decode_kernel[grid](
         *head, view.k_scale, view.v_scale, *tail, *rest,
         PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
-        E5M2=view.dtype == "fp8_e5m2", **opts,
+        E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,
+        HEAD_FAST=hf, **opts,
     )  # fmt: skip
 
 

@@ -1,0 +1,80 @@
+"""Run 8, call 9: the fp8 Gluon decode with the addressing of the nvfp4 kernel, one device call.
+
+``attention._GLUON_FP8_PROBE`` = (PAGED: one page id per 16-aligned tile and 32-bit lane offsets
+instead of a page id and a 64-bit row product per token; RESCALE: lazy softmax rescale threshold,
+< 0 = every tile; HEAD_FAST: KV head fastest in the grid). ``(False, -1.0, False)`` is the
+addressing of run 7 (with rows past the end clamped instead of masked). B=64/8k, page 16,
+Llama-3.1-8B geometry, bench_attention's harness (CUDA graph, L2 flushed, median of 25); SDPA on
+contiguous bf16 at the start and at the end of the process.
+
+    OUT=dir python benches/attention/probes/gluon_fp8_diet.py
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.getcwd(), "benches/attention"))
+import bench_attention as ba  # noqa: E402
+import torch  # noqa: E402
+from kvpool import attention  # noqa: E402
+
+OUT = os.environ.get("OUT", ".")
+RES = []
+DEFAULT = attention._GLUON_FP8_PROBE
+
+
+def rec(**r):
+    RES.append(r)
+    print(json.dumps(r), flush=True)
+    with open(os.path.join(OUT, "gluon_fp8_diet.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": RES}, f, indent=1)
+
+
+def main():
+    rec(tag="sdpa_start", us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+    b, ctx, page = 64, 8192, 16
+    for dtype in ("fp8_e4m3", "fp8_e5m2"):
+        view = ba.with_page(ba.make_pool(dtype, b * ctx + 4096), page)
+        gen = torch.Generator().manual_seed(7)
+        pt = ba.page_table(b, ctx, page, view.k.shape[0], gen)
+        sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        sl[0] = ctx - 5
+        q = torch.randn(b, ba.HQ, ba.D, dtype=torch.bfloat16, device="cuda")
+        ref = None
+        variants = [
+            (False, -1.0, False),
+            (True, -1.0, False),
+            (True, 8.0, False),
+            (True, -1.0, True),
+            (True, 8.0, True),
+        ]
+        for knobs in variants:
+            for splits in (3, 4):
+                attention._GLUON_FP8_PROBE = knobs
+                try:
+                    plan = attention.plan_decode(view, ba.HQ, pt, sl, num_splits=splits, gluon=True)
+                    out = torch.empty(b, ba.HQ, ba.D, dtype=torch.bfloat16, device="cuda")
+                    attention.decode(view, q, plan=plan, out=out)
+                    ms, _ = ba.time_ms(
+                        lambda p=plan, o=out, v=view, qq=q: attention.decode(v, qq, plan=p, out=o),
+                        25,
+                    )
+                    ref = out.clone() if ref is None else ref
+                    rec(
+                        tag="gluon",
+                        dtype=dtype,
+                        knobs=knobs,
+                        splits=splits,
+                        us=ms * 1e3,
+                        maxdiff=float((out.float() - ref.float()).abs().max()),
+                    )
+                except Exception as e:  # noqa: BLE001
+                    rec(tag="gluon", dtype=dtype, knobs=knobs, splits=splits, error=repr(e)[:300])
+        attention._GLUON_FP8_PROBE = DEFAULT
+        del view
+    rec(tag="sdpa_end", us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+
+
+if __name__ == "__main__":
+    main()
