@@ -867,6 +867,12 @@ def test_default_splits_wave_model(monkeypatch):
     assert ds(128, 8, 8192, "cpu", 16, 1, 16, 256) == 2
     assert ds(16, 8, 8192, "cpu", 16, 1, 16, 256) == 16
     assert ds(32, 8, 8192, "cpu", 16, 1, 16, 256) == 8
+    # its model since run 8 (head-fast grid): 12 per SM (1,584 slots). B=64/8k: s=2 one wave x
+    # (4096 + 256) = 4352; s=3 (1,536) one wave x (2736 + 256) = 2992; s=4 (2,048) two x 2304 =
+    # 4608; s=6 two x (1376 + 256) = 3264: 3. B=128/8k: s=1 8448; s=2 (2,048) two x 4352;
+    # s=3 (3,072) two x 2992 = 5984; s=4 three x 2304 = 6912; s=6 four x 1632 = 6528: 3
+    assert ds(64, 8, 8192, "cpu", 16, 1, 12, 256) == 3
+    assert ds(128, 8, 8192, "cpu", 16, 1, 12, 256) == 3
 
 
 @pytest.mark.parametrize(
@@ -1068,13 +1074,13 @@ def test_plan_decode_gluon_choice(monkeypatch):
         attention.plan_decode(c8.view, 32, pt, sl, gluon="yes")
     assert "bf16 caches" in attention._gluon_unfit(Cache("bf16", [4], heads=8, d=128).view, 4)
     # as if on a GPU that fits: 4 requests x 8 KV heads = 32 programs > 16 -> Gluon, 16-token
-    # tiles, splits from the wave model with 16 programs per SM
+    # tiles, splits from the wave model with 12 programs per SM
     monkeypatch.setattr(attention, "_gluon_unfit", lambda view, group: None)
     monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
     p = attention.plan_decode(c8.view, 32, pt, sl)
     assert (p.gluon, p.block_n, p.num_warps) == (True, 16, 1)
     # the page table's capacity (134 pages, 2,144 tokens) bounds the longest request; 32 programs
-    # per split never fill the 2,112 slots, so the cost is one wave x (chunk + 256): chunk
+    # per split never fill the 1,584 slots, so the cost is one wave x (chunk + 256): chunk
     # 16 * ceil(ceil(2144 / s) / 16) is 144 tokens at s=15 and 16, 160 at s=14: 15 (fewest on ties)
     assert pt.shape[1] == 134 and p.num_splits == 15
     # shorter than 2,048 tokens: the Triton kernel (no gain at 1k on the H200)

@@ -340,7 +340,9 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # split model of 12 programs per SM: run 8 (``results/run8_h200/gluon_fp4``), B=64/8k with the
 # grid's KV head fastest: 3 splits 0.245 ms, 4: 0.256, 6: 0.247; rings of 4 and 6 stages and
 # register prefetch were no faster (0.252-0.268 at 3 splits).
-_GLUON_CONFIG = {"fp8_e4m3": (3, 16), "fp8_e5m2": (0, 12), "nvfp4": (3, 12)}
+# Run 8 (call 9): with the head-fast grid 3 splits beat 4 at B=64/8k for both fp8 dtypes, so
+# e4m3's model counts 12 programs per SM as well (3 splits there).
+_GLUON_CONFIG = {"fp8_e4m3": (3, 12), "fp8_e5m2": (0, 12), "nvfp4": (3, 12)}
 # nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
 # in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
 # kept for the record (both matched the Triton kernel there)
@@ -349,9 +351,13 @@ _GLUON_FP4_DEC = (1, 1)
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
 # B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results)
 _GLUON_FP4_PROBE = (True, 0)
-# fp8 kernel options (one page id per 16-aligned tile where page_size >= 16; lazy softmax
-# rescale threshold in log2 units, < 0: every tile; KV-head-fast grid)
-_GLUON_FP8_PROBE = (True, -1.0, False)
+# fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
+# softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
+# (``results/run8_h200/call9_fp8_diet.json``, B=64/8k, 3 splits, SDPA 0.492 ms): e4m3 run 7's
+# addressing 0.287 ms, one page id per tile 0.285, + head-fast grid 0.272 (1.81x SDPA), + lazy
+# rescale 0.273 (136 registers instead of 128, so kept eager); e5m2 0.303 -> 0.292 -> lazy 0.282
+# -> head-fast 0.277 (1.78x). 4 splits were slower in every pair (0.287-0.386).
+_GLUON_FP8_PROBE = {"fp8_e4m3": (True, -1.0, True), "fp8_e5m2": (True, 8.0, True)}
 _GLUON_OVERHEAD = 256
 
 
@@ -1184,7 +1190,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         return
     from kvpool.triton_kernels.decode_gluon import decode_kernel
 
-    paged, rescale, hf = _GLUON_FP8_PROBE
+    paged, rescale, hf = _GLUON_FP8_PROBE[view.dtype]
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
     decode_kernel[grid](
         *head, view.k_scale, view.v_scale, *tail, *rest,

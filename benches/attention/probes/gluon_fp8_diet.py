@@ -21,7 +21,7 @@ from kvpool import attention  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 RES = []
-DEFAULT = attention._GLUON_FP8_PROBE
+DEFAULT = dict(attention._GLUON_FP8_PROBE)
 
 
 def rec(**r):
@@ -51,7 +51,7 @@ def main():
         ]
         for knobs in variants:
             for splits in (3, 4):
-                attention._GLUON_FP8_PROBE = knobs
+                attention._GLUON_FP8_PROBE = {**DEFAULT, dtype: knobs}
                 try:
                     plan = attention.plan_decode(view, ba.HQ, pt, sl, num_splits=splits, gluon=True)
                     out = torch.empty(b, ba.HQ, ba.D, dtype=torch.bfloat16, device="cuda")
@@ -71,10 +71,31 @@ def main():
                     )
                 except Exception as e:  # noqa: BLE001
                     rec(tag="gluon", dtype=dtype, knobs=knobs, splits=splits, error=repr(e)[:300])
-        attention._GLUON_FP8_PROBE = DEFAULT
+        attention._GLUON_FP8_PROBE = dict(DEFAULT)
         del view
     rec(tag="sdpa_end", us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
 
+def defaults():
+    """Call 10: ``plan_decode``'s default plans for the Gluon dtypes after run 8's changes, with
+    SDPA on contiguous bf16 at each shape (``DEFAULTS=1``)."""
+    out_file = os.path.join(OUT, "gluon_defaults.json")
+    ba.OUT = OUT  # (bench_decode also appends to OUT/attention.json)
+    res = []
+    shapes = [(64, 8192, 16), (64, 8192, 64), (128, 4096, 16), (16, 8192, 16), (1, 32768, 16)]
+    sdpa = {(b, ctx): ba.bench_sdpa(b, ctx, 25)["ms"] for b, ctx, _ in shapes}
+    for dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
+        pool = ba.make_pool(dtype, 64 * 8192 + 4096)
+        for b, ctx, page in shapes:
+            r = ba.bench_decode(pool, b, ctx, page, 25)
+            r = {k: r[k] for k in r if isinstance(r[k], (int, float, str, bool))}
+            r.update(sdpa_ms=sdpa[(b, ctx)], x_sdpa=sdpa[(b, ctx)] / r["ms"])
+            res.append(r)
+            print(json.dumps(r), flush=True)
+            with open(out_file, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+        del pool
+
+
 if __name__ == "__main__":
-    main()
+    defaults() if os.environ.get("DEFAULTS") else main()
