@@ -26,6 +26,12 @@ fp32 accumulate), with every layout written out so that Triton moves no data bet
   earlier), read back in the layouts above; with ``STAGES=0`` and ``PREFETCH`` the next tile's
   words are loaded into registers before this tile's math (e5m2 caches: with the ring their
   byte-move decode needs 137 registers, too many for 16 programs per SM).
+- Addressing (run 8): tiles start at multiples of 16 (tokens before a sliding window's start are
+  masked), so with page_size >= 16 (``PAGED``) a tile lies in one page: one page id, a 64-bit
+  tile base and 32-bit lane offsets (``_tile_rows``, ``_addr``; shared with
+  ``decode_gluon_fp4.py``); rows past the last token repeat it (masked scores) instead of masked
+  loads. ``HEAD_FAST``: grid ``(H_kv, B, splits)``, a request's heads side by side. ``RESCALE``
+  >= 0: the softmax rescales ``acc``/``l`` only when a row max grew by more than it (exact).
 
 Why (benches/attention/results/run7_h200): the Triton kernel converts the dequantized V tile and
 P through shared memory for the MMA operands and spends ~800 instructions per 32-token tile;
@@ -33,7 +39,9 @@ this one ~420 per 16-token tile. B=64/8k, call 10
 (``gluon_ring/call10_ring_check_and_sweep.json``, 3 splits): ring 0.286 ms (126 registers,
 13 KiB of shared memory, 16 programs per SM), register prefetch 0.299 ms (146 registers); the
 Triton kernel 0.326-0.327 ms in the full benches (``gluon/`` and ``gluon_ring/stdout.txt``, not
-the same run).
+the same run). Run 8 (``results/run8_h200/NOTES.md``, calls 9-10): one page id per tile and the
+head-fast grid, e4m3 0.266-0.272 ms (1.81x SDPA on contiguous bf16), e5m2 (+ lazy rescale)
+0.269-0.277 ms (1.78-1.79x).
 
 Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
 """
