@@ -1096,6 +1096,9 @@ def test_plan_decode_gluon_choice(monkeypatch):
     p4 = attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens)
     # nvfp4: decode_gluon_fp4's 3-stage ring, 12 per SM in the split model as e5m2's
     assert p4.gluon and (p4.prefetch, p4.num_stages, p4.num_splits) == (False, 3, 15)
+    # and at any batch and context (faster than the Triton kernel at B=1..4 x 1k..32k)
+    one = attention.plan_decode(c4.view, 32, c4.page_table[:1], c4.seq_lens[:1], max_seq_len=1024)
+    assert one.gluon and not attention.plan_decode(c8.view, 32, pt[:1], sl[:1]).gluon
     # two requests x 8 heads = 16 programs: latency-bound, the Triton kernel
     assert not attention.plan_decode(c8.view, 32, pt[:2], sl[:2]).gluon
     # a Triton knob keeps the Triton kernel; with gluon=True it is refused by name

@@ -653,9 +653,10 @@ def plan_decode(
         Use the Gluon kernel. Default: where it can run (fp8 or nvfp4 caches, CUDA compute
         capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
         Triton in
-        ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, the batch has
-        more than 16 programs per split (B x KV heads) and the longest request is at least
-        2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or faster).
+        ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and for fp8
+        the batch has more than 16 programs per split (B x KV heads) and the longest request
+        is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or
+        faster; nvfp4's Gluon kernel is faster at every batch, run 8 call 11).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
@@ -702,10 +703,13 @@ def plan_decode(
         raise ValueError(f"`gluon` = {gluon!r}: must be a bool or None")
     unfit = _gluon_unfit(view, g)
     if gluon is None:
-        # run 7 grid (H200): 7-14% faster than the Triton kernel from 8k tokens on at B >= 16;
-        # at 1k no gain (B=64, 128) or a loss (B=16: 25.3 vs 22.7 us); at <= 16 programs the
-        # Triton kernel is as fast or faster (B=1/32k 36.8 vs 36.5 us, B=1/1k 14.3 vs 12.4)
-        gluon = unfit is None and not given and b * view.num_kv_heads > 16 and ctx >= 2048
+        # fp8, run 7 grid (H200): 7-14% faster than the Triton kernel from 8k tokens on at
+        # B >= 16; at 1k no gain (B=64, 128) or a loss (B=16: 25.3 vs 22.7 us); at <= 16
+        # programs the Triton kernel is as fast or faster (run 8 call 11: B=1/32k e4m3 40.6 vs
+        # 35.5 us, e5m2 42.4 vs 35.5). nvfp4 (call 11): faster at every small batch too
+        # (B=1..4 x 1k..32k: 13.7 vs 17.3 us at B=1/1k, 31.7 vs 45.4 at B=1/32k)
+        small = b * view.num_kv_heads <= 16 or ctx < 2048
+        gluon = unfit is None and not given and (view.dtype == "nvfp4" or not small)
     elif gluon and unfit is not None:
         raise ValueError(f"`gluon=True`: the Gluon decode kernel does not run {unfit}")
     elif gluon and given:
