@@ -705,6 +705,43 @@ def test_decode_gpu_gluon_nvfp4_odd_heads():
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_decode_gpu_gluon_window_reads_nothing_before_it(dtype, page):
+    """With a sliding window the Gluon kernels start tiles at multiples of 16, possibly before the
+    window; those rows must not be read: pages wholly before the window get page-table entries
+    far out of bounds (a read would fault) and the rows of the window's first 16-token block
+    before its start get NaN bytes (a read would reach the output as 0 * NaN). The answer is
+    unchanged, bit for bit."""
+    lens, window = [700, 1000, 40, 2100], 300
+    cache = Cache(dtype, lens, heads=8, d=128, page=page, device="cuda")
+    for kw in ({"num_splits": 1}, {"num_splits": 5}):
+        plan_kw = {"gluon": True, **kw}
+        before, _ = run_decode(cache, 32, backend="triton", device="cuda", plan_kw=plan_kw,
+                               window=window)
+        pt, v = cache.page_table.clone(), cache.view.v.clone()
+        vbs = None if cache.view.v_block_scale is None else cache.view.v_block_scale.clone()
+        for b, n in enumerate(lens):
+            lo = max(n - window, 0)
+            lo16 = lo // 16 * 16
+            for tok in range(lo16, lo):  # NaN rows next to the window, in pages still in use
+                slot = int(cache.page_table[b, tok // page]) * page + tok % page
+                cache.view.v.view(torch.uint8)[slot] = 0x7F
+                if vbs is not None:
+                    cache.view.v_block_scale.view(torch.uint8)[slot] = 0x7F
+            cache.page_table[b, : lo16 // page] = 1 << 30
+        try:
+            after, _ = run_decode(cache, 32, backend="triton", device="cuda", plan_kw=plan_kw,
+                                  window=window)
+        finally:
+            cache.page_table.copy_(pt)
+            cache.view.v.copy_(v)
+            if vbs is not None:
+                cache.view.v_block_scale.copy_(vbs)
+        assert torch.equal(before, after), kw
+
+
+@gpu
 def test_decode_gpu_gluon_default_and_refusals():
     """fp8 at head_dim 128 with more than 16 programs takes the Gluon kernel by default; a plan
     made for it refuses a layer it cannot run, and gluon=True refuses such a layer up front."""

@@ -4,8 +4,9 @@
 ``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8, 16-byte
 aligned K/V rows; Triton 3.6, ``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
 
-One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)``, as in
-``decode.py``; same split outputs, merged by ``decode.merge_kernel``). Each 16-token tile goes
+One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)`` as in
+``decode.py``, or ``(H_kv, B, splits)`` with ``HEAD_FAST``; same split outputs, merged by
+``decode.merge_kernel``). Each 16-token tile goes
 from global memory straight into the tensor-core fragments of ``mma.sync.m16n8k16`` (fp16 in,
 fp32 accumulate), with every layout written out so that Triton moves no data between layouts:
 
@@ -25,7 +26,8 @@ fp32 accumulate), with every layout written out so that Triton moves no data bet
   ``cp.async`` (raw words only; the page ids of the tile issued next are loaded one iteration
   earlier), read back in the layouts above; with ``STAGES=0`` and ``PREFETCH`` the next tile's
   words are loaded into registers before this tile's math (e5m2 caches: with the ring their
-  byte-move decode needs 137 registers, too many for 16 programs per SM).
+  byte-move decode needs 137 registers, too many for run 7's 16 programs per SM; the split
+  model counts 12 since run 8, so the e5m2 ring is worth measuring again).
 - Addressing (run 8): tiles start at multiples of 16 (tokens before a sliding window's start are
   masked), so with page_size >= 16 (``PAGED``) a tile lies in one page: one page id, a 64-bit
   tile base and 32-bit lane offsets (``_tile_rows``, ``_addr``; shared with
@@ -152,9 +154,22 @@ def _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD: gl.constexpr = Fals
 
 
 @gluon.jit
-def _tile_rows(s, end, pt_row, page_shift, page_mask, r, PAGED: gl.constexpr, GUARD: gl.constexpr):
+def _tile_rows(
+    s,
+    end,
+    pt_row,
+    page_shift,
+    page_mask,
+    r,
+    lo,
+    PAGED: gl.constexpr,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
+):
     """Where tokens ``s + min(r, end - 1 - s)`` live: rows past the last token repeat it (their
-    scores are masked), so no load is masked and no slot past ``seq_len`` is read. ``PAGED``:
+    scores are masked), so no load is masked and no slot past ``seq_len`` is read; with a
+    ``WINDOW`` rows before its first token ``lo`` repeat that one (a tile starts at a multiple of
+    16, possibly before ``lo``: those pages may be freed, their rows anything). ``PAGED``:
     ``(row0, rc)``, the tile's first row (int64, one page id) and 32-bit row offsets; else
     ``(0, row)``, a page id per token. ``GUARD`` (prologue): tiles past the end of the request,
     or an empty request (row 0 of page 0)."""
@@ -162,6 +177,8 @@ def _tile_rows(s, end, pt_row, page_shift, page_mask, r, PAGED: gl.constexpr, GU
     if GUARD:
         lim = gl.maximum(lim, 0)
     rc = gl.minimum(r, lim)
+    if WINDOW:  # (lo <= end - 1 in every split that has tiles; lo - s <= 0 otherwise)
+        rc = gl.maximum(rc, lo - s)
     if PAGED:
         row0 = _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD)
         rows = rc
@@ -204,7 +221,7 @@ def _issue(ks, vs, stage, k_addr, v_addr):
     async_copy.commit_group()
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["group"])  # (a group of 1 would become a constant)
 def decode_kernel(
     Q,
     K,
@@ -320,8 +337,12 @@ def decode_kernel(
         vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
-            k0, rk = _tile_rows(sj, end, pt_row, page_shift, page_mask, kr, PAGED, True)
-            v0, rv = _tile_rows(sj, end, pt_row, page_shift, page_mask, vr, PAGED, True)
+            k0, rk = _tile_rows(
+                sj, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW
+            )
+            v0, rv = _tile_rows(
+                sj, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW
+            )
             _issue(
                 ks,
                 vs,
@@ -330,13 +351,17 @@ def decode_kernel(
                 _addr(vw_ptr, srv, v0, rv, vc, PAGED),
             )
         sn = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
-        nk0, nk = _tile_rows(sn, end, pt_row, page_shift, page_mask, kr, PAGED, True)
-        nv0, nv = _tile_rows(sn, end, pt_row, page_shift, page_mask, vr, PAGED, True)
+        nk0, nk = _tile_rows(
+            sn, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW
+        )
+        nv0, nv = _tile_rows(
+            sn, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW
+        )
     i = 0
     if PREFETCH and STAGES == 0:
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
-        k0, rk = _tile_rows(s0, end, pt_row, page_shift, page_mask, kr, PAGED, True)
-        v0, rv = _tile_rows(s0, end, pt_row, page_shift, page_mask, vr, PAGED, True)
+        k0, rk = _tile_rows(s0, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW)
+        v0, rv = _tile_rows(s0, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW)
         kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
         vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
     for s in range(start, end, BN):
@@ -349,10 +374,14 @@ def decode_kernel(
                 _addr(kw_ptr, srk, nk0, nk, kc, PAGED),
                 _addr(vw_ptr, srv, nv0, nv, vc, PAGED),
             )
-            # (past the end: this tile's last row again, unused)
+            # (past the end: the split's last token again, unused)
             sn = gl.minimum(s + STAGES * BN, end - 1)
-            nk0, nk = _tile_rows(sn, end, pt_row, page_shift, page_mask, kr, PAGED, False)
-            nv0, nv = _tile_rows(sn, end, pt_row, page_shift, page_mask, vr, PAGED, False)
+            nk0, nk = _tile_rows(
+                sn, end, pt_row, page_shift, page_mask, kr, lo, PAGED, False, HAS_WINDOW
+            )
+            nv0, nv = _tile_rows(
+                sn, end, pt_row, page_shift, page_mask, vr, lo, PAGED, False, HAS_WINDOW
+            )
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile's words, copied by every lane, are visible
             kw = ks.index(i % STAGES).load(KL)
@@ -364,8 +393,12 @@ def decode_kernel(
                 sl = gl.minimum(s + BN, end - 1)  # the next tile (past the end: unused)
             else:
                 sl = s
-            k0, rk = _tile_rows(sl, end, pt_row, page_shift, page_mask, kr, PAGED, False)
-            v0, rv = _tile_rows(sl, end, pt_row, page_shift, page_mask, vr, PAGED, False)
+            k0, rk = _tile_rows(
+                sl, end, pt_row, page_shift, page_mask, kr, lo, PAGED, False, HAS_WINDOW
+            )
+            v0, rv = _tile_rows(
+                sl, end, pt_row, page_shift, page_mask, vr, lo, PAGED, False, HAS_WINDOW
+            )
             kw_l = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
             vw_l = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
             if PREFETCH:

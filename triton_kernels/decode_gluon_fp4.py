@@ -243,12 +243,15 @@ def _load_tile(
     ssr,
     r,
     c,
+    lo,
     PAGED: gl.constexpr,
-    GUARD: gl.constexpr = False,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
 ):
     """Blocks (int64) and scale bytes (as int32) of tokens ``s + r``, columns ``c``: rows past
-    the last token repeat it and ``PAGED`` tiles take one page id (``decode_gluon._tile_rows``)."""
-    row0, rows = _tile_rows(s, end, pt_row, page_shift, page_mask, r, PAGED, GUARD)
+    the last token (and before a window's first) repeat it and ``PAGED`` tiles take one page id
+    (``decode_gluon._tile_rows``)."""
+    row0, rows = _tile_rows(s, end, pt_row, page_shift, page_mask, r, lo, PAGED, GUARD, WINDOW)
     x = gl.load(_addr(x_ptr, sr, row0, rows, c, PAGED))
     sb = gl.load(_addr(s_ptr, ssr, row0, rows, c, PAGED))
     return x, sb.to(gl.int32)
@@ -256,17 +259,37 @@ def _load_tile(
 
 @gluon.jit
 def _issue(
-    bufs, stage, s, end, row0, ptrs, srk, srv, ssk, ssv, rd, cd, rs, cs, GUARD: gl.constexpr
+    bufs,
+    stage,
+    s,
+    end,
+    lo,
+    row0,
+    ptrs,
+    strides,
+    rd,
+    cd,
+    rs,
+    cs,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
 ):
     """cp.async of one tile (K, V blocks; K, V scale rows) into ring stage ``stage``: rows
-    ``row0 + min(r, end - 1 - s)`` (clamped as in ``_load_tile``), one commit group."""
+    ``row0`` + the offsets of ``decode_gluon._tile_rows`` (clamped to the last token and to a
+    window's first), one commit group."""
     kd, vd, ksm, vsm = bufs
     kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
+    srk, srv, ssk, ssv = strides
     lim = end - 1 - s
     if GUARD:  # the prologue: an empty request (``end`` 0)
         lim = gl.maximum(lim, 0)
-    od = gl.minimum(rd, lim)[:, None]
-    os_ = gl.minimum(rs, lim)[:, None]
+    od = gl.minimum(rd, lim)
+    os_ = gl.minimum(rs, lim)
+    if WINDOW:
+        od = gl.maximum(od, lo - s)
+        os_ = gl.maximum(os_, lo - s)
+    od = od[:, None]
+    os_ = os_[:, None]
     async_copy.async_copy_global_to_shared(
         kd.index(stage), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
     )
@@ -282,7 +305,7 @@ def _issue(
     async_copy.commit_group()
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["group"])  # (a group of 1 would become a constant)
 def decode_kernel(
     Q,
     K,
@@ -424,6 +447,7 @@ def decode_kernel(
             gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
         )
         ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
+        strides = (srk, srv, stride_ksr, stride_vsr)
         rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
         cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
@@ -431,9 +455,7 @@ def decode_kernel(
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
             row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
-            _issue(
-                bufs, j, sj, end, row0, ptrs, srk, srv, stride_ksr, stride_vsr, rd, cd, rs, cs, True
-            )
+            _issue(bufs, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs, True, HAS_WINDOW)
         s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
         row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask, True)
     else:
@@ -451,8 +473,10 @@ def decode_kernel(
             stride_ksr,
             kr,
             kc,
+            lo,
             PAGED,
             True,
+            HAS_WINDOW,
         )
         vx_n, vs_n = _load_tile(
             vx_ptr,
@@ -466,8 +490,10 @@ def decode_kernel(
             stride_vsr,
             vr,
             vc,
+            lo,
             PAGED,
             True,
+            HAS_WINDOW,
         )
     i = 0
     for s in range(start, end, BN):
@@ -478,17 +504,16 @@ def decode_kernel(
                 (i + STAGES - 1) % STAGES,
                 s_n,
                 end,
+                lo,
                 row_n,
                 ptrs,
-                srk,
-                srv,
-                stride_ksr,
-                stride_vsr,
+                strides,
                 rd,
                 cd,
                 rs,
                 cs,
                 False,
+                HAS_WINDOW,
             )
             s_n = gl.minimum(s + STAGES * BN, end - 1)
             row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
@@ -516,7 +541,10 @@ def decode_kernel(
                 stride_ksr,
                 kr,
                 kc,
+                lo,
                 PAGED,
+                False,
+                HAS_WINDOW,
             )
             vx_n, vs_n = _load_tile(
                 vx_ptr,
@@ -530,7 +558,10 @@ def decode_kernel(
                 stride_vsr,
                 vr,
                 vc,
+                lo,
                 PAGED,
+                False,
+                HAS_WINDOW,
             )
 
         if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)

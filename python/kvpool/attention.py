@@ -324,7 +324,8 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 
 
 # Split model of the Gluon decode kernel with its 3-stage cp.async ring (126 registers x 32
-# threads, 13 KiB of shared memory: 16 programs per SM), fitted to run 7 on the H200
+# threads, 13 KiB of shared memory: 16 programs per SM; 12 since run 8, below), fitted to run 7
+# on the H200
 # (``results/run7_h200/gluon_ring/call10_ring_check_and_sweep.json``): B=64/8k 3 splits
 # 0.286 ms, 4 (2,048 programs, one wave): 0.289, 6: 0.304; B=128/8k 2: 0.558, 3 (1.45 waves):
 # 0.638, 4: 0.560; and a program costs ~256 tokens besides its own (q, page ids, the partial
@@ -1137,8 +1138,10 @@ def decode(
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
     """Launch the fp8 or nvfp4 Gluon decode kernel (the caller merges the splits).
 
-    fp8: ``decode_gluon.decode_kernel``; nvfp4: ``decode_gluon_fp4.decode_kernel`` with a grid
-    whose KV head varies fastest (``_GLUON_FP4_PROBE``).
+    fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_PROBE``); nvfp4:
+    ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_PROBE``). Both run the KV head fastest in
+    the grid (batch on grid y) up to 65,535 requests, the grid's y limit; larger batches keep
+    the batch on x.
     """
     bsz, hq, _ = q.shape
     s = plan.num_splits
@@ -1184,6 +1187,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
         hf, ablate = _GLUON_FP4_PROBE
+        hf = hf and bsz <= 65535
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         decode_kernel[grid](
             *head, kbs, vbs, view.k_scale, view.v_scale, *tail, kbs.stride(0), vbs.stride(0),
@@ -1196,6 +1200,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     from kvpool.triton_kernels.decode_gluon import decode_kernel
 
     paged, rescale, hf = _GLUON_FP8_PROBE[view.dtype]
+    hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
     decode_kernel[grid](
         *head, view.k_scale, view.v_scale, *tail, *rest,

@@ -97,5 +97,27 @@ def defaults():
         del pool
 
 
+def e5m2_ring():
+    """Call 12: e5m2 with the cp.async ring (3 stages, 137+ registers) against its register
+    prefetch, both with 3 splits (``E5M2_RING=1``)."""
+    res = []
+    pool = ba.make_pool("fp8_e5m2", 64 * 8192 + 4096)
+    sdpa = ba.bench_sdpa(64, 8192, 25)["ms"]
+    for cfg in ((0, 12), (3, 12), (0, 12)):
+        attention._GLUON_CONFIG["fp8_e5m2"] = cfg
+        r = ba.bench_decode(pool, 64, 8192, 16, 25)
+        r = {k: v for k, v in r.items() if isinstance(v, (int, float, str, bool))}
+        r.update(config=cfg, sdpa_ms=sdpa, x_sdpa=sdpa / r["ms"])
+        res.append(r)
+        print(json.dumps(r), flush=True)
+    with open(os.path.join(OUT, "gluon_e5m2_ring.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
+
+
 if __name__ == "__main__":
-    defaults() if os.environ.get("DEFAULTS") else main()
+    if os.environ.get("E5M2_RING"):
+        e5m2_ring()
+    elif os.environ.get("DEFAULTS"):
+        defaults()
+    else:
+        main()
