@@ -26,8 +26,8 @@ fp32 accumulate), with every layout written out so that Triton moves no data bet
   ``cp.async`` (raw words only; the page ids of the tile issued next are loaded one iteration
   earlier), read back in the layouts above; with ``STAGES=0`` and ``PREFETCH`` the next tile's
   words are loaded into registers before this tile's math (e5m2 caches: with the ring their
-  byte-move decode needs 137 registers, too many for run 7's 16 programs per SM; the split
-  model counts 12 since run 8, so the e5m2 ring is worth measuring again).
+  byte-move decode needs 137 registers, too many for run 7's 16 programs per SM; with run 8's
+  split model of 12 per SM it takes the ring as well: 0.274 vs 0.278 ms at B=64/8k).
 - Addressing (run 8): tiles start at multiples of 16 (tokens before a sliding window's start are
   masked), so with page_size >= 16 (``PAGED``) a tile lies in one page: one page id, a 64-bit
   tile base and 32-bit lane offsets (``_tile_rows``, ``_addr``; shared with
@@ -43,7 +43,8 @@ this one ~420 per 16-token tile. B=64/8k, call 10
 Triton kernel 0.326-0.327 ms in the full benches (``gluon/`` and ``gluon_ring/stdout.txt``, not
 the same run). Run 8 (``results/run8_h200/NOTES.md``, calls 9-10): one page id per tile and the
 head-fast grid, e4m3 0.266-0.272 ms (1.81x SDPA on contiguous bf16), e5m2 (+ lazy rescale)
-0.269-0.277 ms (1.78-1.79x).
+0.269-0.277 ms (1.78-1.79x) with register prefetch, 0.274 ms (1.80x) with the ring (call 12,
+now its default).
 
 Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
 """
