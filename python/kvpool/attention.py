@@ -662,9 +662,9 @@ def plan_decode(
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
-        0.266-0.272 ms (1.81x), e5m2 0.274 ms (1.80x, ring); nvfp4 B=64/8k 0.243-0.245 ms vs 0.421-0.425
-        (1.96-2.01x SDPA instead of 1.15x). True where it cannot run raises ValueError naming
-        why.
+        0.266-0.272 ms (1.81x), e5m2 0.274 ms (1.80x, ring); nvfp4 B=64/8k 0.243-0.245 ms vs
+        0.421-0.425 (1.96-2.01x SDPA instead of 1.15x). True where it cannot run raises
+        ValueError naming why.
 
     Returns
     -------
