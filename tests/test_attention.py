@@ -659,7 +659,7 @@ def test_decode_gpu_llama_geometry(dtype, heavy):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_gpu_gluon(dtype, page):
     """The Gluon kernel against the fp32 oracle: ragged lengths ending mid-tile and mid-page,
@@ -705,7 +705,7 @@ def test_decode_gpu_gluon_nvfp4_odd_heads():
 
 
 @gpu
-@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "fp4_mx_block16"])
 @pytest.mark.parametrize("page", [1, 16])
 def test_decode_gpu_gluon_window_reads_nothing_before_it(dtype, page):
     """With a sliding window the Gluon kernels start tiles at multiples of 16, possibly before the
@@ -1181,17 +1181,20 @@ def test_gluon_unfit_layout_checks():
 
 
 def test_gluon_unfit_nvfp4_layout_checks():
-    """nvfp4 caches suit the Gluon kernel (decode_gluon_fp4.py) up to the device check; its
-    64-byte head rows must be 16-byte aligned and the block scales 2-byte aligned with a head's
-    8 bytes contiguous; fp4_mx_block16 is refused by name."""
+    """nvfp4 and fp4_mx_block16 caches suit the Gluon kernel (decode_gluon_fp4.py) up to the
+    device check; its 64-byte head rows must be 16-byte aligned and the block scales 2-byte
+    aligned with a head's 8 bytes contiguous; other dtypes are refused by name."""
     import dataclasses
 
     v = Cache("nvfp4", [40] * 2, heads=8, d=128, page=16).view
     assert v.k_block_scale.shape == (v.k.shape[0], 8, 8)
     assert attention._gluon_unfit(v, 4).startswith("a CPU tensor")
     mx = Cache("fp4_mx_block16", [40] * 2, heads=8, d=128, page=16).view
-    assert attention._gluon_unfit(mx, 4) == (
-        "fp4_mx_block16 caches (fp8_e4m3, fp8_e5m2, nvfp4 only)"
+    assert mx.k_block_scale.shape == (mx.k.shape[0], 64)  # [R, H * 8] rows suit it too
+    assert attention._gluon_unfit(mx, 4).startswith("a CPU tensor")
+    fp32 = Cache("fp32", [40] * 2, heads=8, d=128, page=16).view
+    assert attention._gluon_unfit(fp32, 4) == (
+        "fp32 caches (fp8_e4m3, fp8_e5m2, nvfp4, fp4_mx_block16 only)"
     )
     padded = dataclasses.replace(v, k=_misaligned(v.k, offset=0, pad=8))
     assert padded.k.stride() == (8 * 64 + 8, 64, 1)

@@ -54,12 +54,33 @@ from .decode_gluon import _addr, _first8, _rows0to7, _tile_row0, _tile_rows
 # --- inline PTX, built once at import ------------------------------------------------------
 
 
-def _bits_pair(x: str, out: str) -> str:
-    """PTX: fp16 pair (nibble at bits 12-15, nibble at 28-31 of ``x``) * 2^-14 into ``out``."""
+def _bits_pair(x: str, out: str, bf16: bool = False) -> str:
+    """PTX: fp16 pair (nibble at bits 12-15, nibble at 28-31 of ``x``) * 2^-14 into ``out``;
+    ``bf16``: the bf16 pair * 2^-126 (magnitude to bits 6-8: E2M1's subnormal 0.5 lands on
+    bf16's subnormal 2^-127)."""
+    sh, mask = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
     return (
-        f"shr.b32 t, {x}, 3; and.b32 t, t, 0x0E000E00; "
+        f"shr.b32 t, {x}, {sh}; and.b32 t, t, {mask}; "
         f"and.b32 {out}, {x}, 0x80008000; or.b32 {out}, {out}, t; "
     )
+
+
+def _mx_scale(e: str, a: str, b: str) -> str:
+    """PTX: bf16 bits of ``2^min(E - 1, 127)`` into ``a`` and ``2^max(E - 128, 0)`` into ``b``
+    for the fp4_mx_block16 exponent byte ``e`` (``2^(E - 127)`` over the decode's 2^-126 in two
+    exact factors: one would overflow bf16 for E > 128); bytes above 252 (never written) as
+    252."""
+    return (
+        f"min.u32 {a}, {e}, 252; max.u32 {b}, {a}, 128; add.u32 {a}, {a}, 126; "
+        f"min.u32 {a}, {a}, 254; shl.b32 {a}, {a}, 7; sub.u32 {b}, {b}, 1; shl.b32 {b}, {b}, 7; "
+    )
+
+
+def _scaled(f: str, dec: int) -> str:
+    """PTX: ``f`` times the block scale (``sc``; mx: ``sc`` then ``sc2``, exact)."""
+    if dec == 2:
+        return f"fma.rn.bf16x2 {f}, {f}, sc, nz; fma.rn.bf16x2 {f}, {f}, sc2, nz; "
+    return f"mul.rn.f16x2 {f}, {f}, sc; "
 
 
 def _e4m3_word(w: str) -> str:
@@ -75,23 +96,28 @@ def _e4m3_word(w: str) -> str:
 def _k_block_asm(dec: int) -> str:
     """One K block (int64 ``$16``, scale byte ``$17``) -> 16 fp16 ``$0..$15``: pair ``p`` (8 per
     block, 4 per word) in ``$2p, $2p+1``. ``dec`` 0: pair ``p`` of word ``p // 4`` holds nibbles
-    ``(p % 4, p % 4 + 4)``; 1: nibbles ``(a, a + 2)``, ``a = (0, 4, 1, 5)[p % 4]``."""
+    ``(p % 4, p % 4 + 4)``; 1: nibbles ``(a, a + 2)``, ``a = (0, 4, 1, 5)[p % 4]``; 2
+    (fp4_mx_block16): as 0, in bf16, exact values ``E2M1 * 2^(E - 127)``."""
     head = (
-        "{ .reg .b32 w0, w1, t, x, sd, sc, lo, hi, f0, f1, f2, f3; "
-        ".reg .b16 sl, sh, l0, l1, h0, h1; "
-        "mov.b64 {w0, w1}, $16; prmt.b32 sd, $17, 0, 0; mov.b32 {sl, sh}, sd; "
-        "cvt.rn.f16x2.e4m3x2 sc, sl; "
+        "{ .reg .b32 w0, w1, t, x, sd, sc, sc2, nz, lo, hi, f0, f1, f2, f3; "
+        ".reg .b16 sl, sh, l0, l1, h0, h1; mov.b64 {w0, w1}, $16; "
     )
+    if dec == 2:
+        head += _mx_scale("$17", "sd", "t") + (
+            "prmt.b32 sc, sd, sd, 0x1010; prmt.b32 sc2, t, t, 0x1010; mov.b32 nz, 0x80008000; "
+        )
+    else:
+        head += "prmt.b32 sd, $17, 0, 0; mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
     body = ""
     for j, w in enumerate(("w0", "w1")):
-        if dec == 0:
+        if dec in (0, 2):
             for p in range(4):
                 o = 4 * j + p
                 src = w if p == 3 else "x"
                 if p < 3:
                     body += f"shl.b32 x, {w}, {12 - 4 * p}; "
-                body += _bits_pair(src, "f0")
-                body += f"mul.rn.f16x2 f0, f0, sc; mov.b32 {{${2 * o}, ${2 * o + 1}}}, f0; "
+                body += _bits_pair(src, "f0", dec == 2) + _scaled("f0", dec)
+                body += f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, f0; "
         else:
             body += _e4m3_word(w)
             body += (
@@ -100,23 +126,30 @@ def _k_block_asm(dec: int) -> str:
             )
             for p, f in enumerate(("f0", "f1", "f2", "f3")):
                 o = 4 * j + p
-                body += f"mul.rn.f16x2 {f}, {f}, sc; mov.b32 {{${2 * o}, ${2 * o + 1}}}, {f}; "
+                body += _scaled(f, dec) + f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, {f}; "
     return head + body + "}"
 
 
 def _v_block_asm(dec: int) -> str:
     """One V block of two token rows (int64 ``$32``, ``$33``; scale bytes ``$34``, ``$35``) ->
-    32 fp16: value dim ``c`` of the block (``8 word + nibble``) as ``($2c, $2c+1)`` = (even row,
-    odd row)."""
+    32 fp16 (``dec`` 2: bf16): value dim ``c`` of the block (``8 word + nibble``) as
+    ``($2c, $2c+1)`` = (even row, odd row)."""
     head = (
-        "{ .reg .b32 e0, e1, o0, o1, t, x, y, p, sd, sc, lo, hi, f0, f1, f2, f3; "
+        "{ .reg .b32 e0, e1, o0, o1, t, x, y, p, sd, sc, sc2, nz, lo, hi, f0, f1, f2, f3; "
         ".reg .b16 sl, sh, l0, l1, h0, h1; "
-        "mov.b64 {e0, e1}, $32; mov.b64 {o0, o1}, $33; prmt.b32 sd, $34, $35, 0x0040; "
-        "mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
+        "mov.b64 {e0, e1}, $32; mov.b64 {o0, o1}, $33; "
     )
+    if dec == 2:  # (even row's factor in the low half)
+        head += (
+            _mx_scale("$34", "sd", "t")
+            + _mx_scale("$35", "x", "y")
+            + ("prmt.b32 sc, sd, x, 0x5410; prmt.b32 sc2, t, y, 0x5410; mov.b32 nz, 0x80008000; ")
+        )
+    else:
+        head += "prmt.b32 sd, $34, $35, 0x0040; mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
     body = ""
     for j, (we, wo) in enumerate((("e0", "o0"), ("e1", "o1"))):
-        if dec == 0:
+        if dec in (0, 2):
             # x: bytes (we.b0, we.b1, wo.b0, wo.b1) -> nibbles 3, 2, 1, 0 by shifts 0, 4, 8, 12;
             # y: the same for bytes 2, 3 -> nibbles 7, 6, 5, 4
             body += f"prmt.b32 x, {we}, {wo}, 0x5410; prmt.b32 y, {we}, {wo}, 0x7632; "
@@ -125,8 +158,8 @@ def _v_block_asm(dec: int) -> str:
                 c = 8 * j + n
                 if sh:
                     body += f"shl.b32 p, {src}, {sh}; "
-                body += _bits_pair("p" if sh else src, "f0")
-                body += f"mul.rn.f16x2 f0, f0, sc; mov.b32 {{${2 * c}, ${2 * c + 1}}}, f0; "
+                body += _bits_pair("p" if sh else src, "f0", dec == 2) + _scaled("f0", dec)
+                body += f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, f0; "
         else:
             for half, sel in ((0, "0x5140"), (1, "0x7362")):
                 body += f"prmt.b32 p, {we}, {wo}, {sel}; " + _e4m3_word("p")
@@ -137,7 +170,7 @@ def _v_block_asm(dec: int) -> str:
                 # l0: nibble 0 of byte pair (dim 4 half + 0), h0: 1, l1: 2, h1: 3
                 for n, f in enumerate(("f0", "f2", "f1", "f3")):
                     c = 8 * j + 4 * half + n
-                    body += f"mul.rn.f16x2 {f}, {f}, sc; mov.b32 {{${2 * c}, ${2 * c + 1}}}, {f}; "
+                    body += _scaled(f, dec) + f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, {f}; "
     return head + body + "}"
 
 
@@ -146,6 +179,8 @@ _K_ASM0 = gl.constexpr(_k_block_asm(0))
 _K_ASM1 = gl.constexpr(_k_block_asm(1))
 _V_ASM0 = gl.constexpr(_v_block_asm(0))
 _V_ASM1 = gl.constexpr(_v_block_asm(1))
+_K_ASM2 = gl.constexpr(_k_block_asm(2))
+_V_ASM2 = gl.constexpr(_v_block_asm(2))
 _K_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["l", "r"]))
 _V_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 32 + ["l", "l", "r", "r"]))
 
@@ -179,10 +214,10 @@ def _k_operand(x, s, BOP: gl.constexpr, DEC: gl.constexpr):
     and their scale bytes -> K^T ``[128, 16]`` fp16, the B operand of the QK MMA: logical
     ``k = 16s + 8h + 2t + e`` is pair ``p = 2(s % 4) + h`` of block ``2t + s // 4``."""
     o = gl.inline_asm_elementwise(
-        asm=_K_ASM0 if DEC == 0 else _K_ASM1,
+        asm=_K_ASM0 if DEC == 0 else (_K_ASM1 if DEC == 1 else _K_ASM2),
         constraints=_K_CONSTRAINTS,
         args=[x, s],
-        dtype=(gl.float16,) * 16,
+        dtype=(gl.bfloat16 if DEC == 2 else gl.float16,) * 16,
         is_pure=True,
         pack=1,
     )
@@ -206,10 +241,10 @@ def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr):
     s = gl.permute(gl.reshape(s, [2, 4, 2, 8]), [0, 1, 3, 2])
     se, so = gl.split(s)
     o = gl.inline_asm_elementwise(
-        asm=_V_ASM0 if DEC == 0 else _V_ASM1,
+        asm=_V_ASM0 if DEC == 0 else (_V_ASM1 if DEC == 1 else _V_ASM2),
         constraints=_V_CONSTRAINTS,
         args=[xe, xo, se, so],
-        dtype=(gl.float16,) * 32,
+        dtype=(gl.bfloat16 if DEC == 2 else gl.float16,) * 32,
         is_pure=True,
         pack=1,
     )
@@ -370,8 +405,12 @@ def decode_kernel(
         shape=[16, 8],
     )
     # the decode's 2^-14 (DEC 0) or 1/64 (DEC 1), undone with the global scales
-    KMUL: gl.constexpr = 16384.0 if DEC_K == 0 else 64.0
-    VMUL: gl.constexpr = 16384.0 if DEC_V == 0 else 64.0
+    # (DEC 2, fp4_mx_block16: exact values in bf16, no global scale, partials in true units)
+    MX: gl.constexpr = DEC_K == 2
+    CDT: gl.constexpr = gl.bfloat16 if MX else gl.float16
+    KMUL: gl.constexpr = 16384.0 if DEC_K == 0 else (64.0 if DEC_K == 1 else 1.0)
+    VMUL: gl.constexpr = 16384.0 if DEC_V == 0 else (64.0 if DEC_V == 1 else 1.0)
+    PMUL: gl.constexpr = 1.0 if MX else VMUL / 64.0
 
     if HEAD_FAST:  # grid (H_kv, B, splits): a request's KV heads run side by side
         b = gl.program_id(1)
@@ -391,7 +430,10 @@ def decode_kernel(
     chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), BN) * BN
     start = lo16 + split * chunk
     end = gl.minimum(start + chunk, seq)
-    qk_scale = sm_scale * gl.load(KSC) * KMUL
+    if MX:
+        qk_scale = sm_scale
+    else:
+        qk_scale = sm_scale * gl.load(KSC) * KMUL
 
     # q (A operand) in the permuted head-dim order of _k_operand: logical k = 16s + 8h + 2t + e
     # -> pair p = 2(s % 4) + h of block 2t + s // 4 -> stored 32t + 16(s // 4) + 8(p // 4) + nib
@@ -400,7 +442,7 @@ def decode_kernel(
     qs = qc // 16
     qp = 2 * (qs % 4) + (qc // 8) % 2
     qe = qc % 2
-    if DEC_K == 0:
+    if DEC_K != 1:  # (0 and 2 pair nibbles p, p + 4)
         nib = qp % 4 + 4 * qe
     else:
         nib = 4 * (qp % 2) + (qp % 4) // 2 + 2 * qe
@@ -411,7 +453,7 @@ def decode_kernel(
         Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
         mask=(qr < group)[:, None],
         other=0.0,
-    ).to(gl.float16)
+    ).to(CDT)
 
     kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
     kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
@@ -593,7 +635,7 @@ def decode_kernel(
                 acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
             p = gl.exp2(sacc - m_i[:, None])
             l_i = l_i + gl.sum(p, axis=1)
-            p8 = _rows0to7(p.to(gl.float16), BN)
+            p8 = _rows0to7(p.to(CDT), BN)
             pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
             acc = mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
 
@@ -613,7 +655,10 @@ def decode_kernel(
             l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
             acc = acc * gl.exp2(m8 - m_s)[None, :]
             l_safe = gl.where(l8 > 0, l8, 1.0)
-        vf = gl.load(VSC) * VMUL
+        if MX:
+            vf = 1.0
+        else:
+            vf = gl.load(VSC) * VMUL
         o = acc * (vf / l_safe)[None, :]
         gl.store(
             OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
@@ -622,7 +667,7 @@ def decode_kernel(
         )
     else:
         # partial outputs in the units of the merge (decode.merge_kernel: E2M1 / 64)
-        o = acc * ((VMUL / 64.0) / l_safe)[None, :]
+        o = acc * (PMUL / l_safe)[None, :]
         lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
         row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
         gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])

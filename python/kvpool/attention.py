@@ -265,7 +265,7 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
         return f"head_dim {view.head_dim} / v_head_dim {view.v_head_dim} (128 only)"
     if not 1 <= group <= 8:
         return f"a query group of {group} heads (1..8 only)"
-    row = 64 if view.dtype == "nvfp4" else 128
+    row = 64 if view.dtype in _FP4 else 128
     for t in (view.k, view.v):
         if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != row:
             return (
@@ -344,7 +344,13 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # Run 8 (call 9): with the head-fast grid 3 splits beat 4 at B=64/8k for both fp8 dtypes, so
 # e4m3's model counts 12 programs per SM as well (3 splits there); call 12: e5m2 with the ring
 # at 3 splits 0.274 ms vs register prefetch 0.278 (1.80x vs 1.78x SDPA), so it takes the ring.
-_GLUON_CONFIG = {"fp8_e4m3": (3, 12), "fp8_e5m2": (3, 12), "nvfp4": (3, 12)}
+# fp4_mx_block16 (decode_gluon_fp4.py with DEC 2: bf16 operands) as nvfp4.
+_GLUON_CONFIG = {
+    "fp8_e4m3": (3, 12),
+    "fp8_e5m2": (3, 12),
+    "nvfp4": (3, 12),
+    "fp4_mx_block16": (3, 12),
+}
 # nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
 # in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
 # kept for the record (both matched the Triton kernel there)
@@ -711,7 +717,7 @@ def plan_decode(
         # 35.5 us, e5m2 42.4 vs 35.5). nvfp4 (call 11): faster at every small batch too
         # (B=1..4 x 1k..32k: 13.7 vs 17.3 us at B=1/1k, 31.7 vs 45.4 at B=1/32k)
         small = b * view.num_kv_heads <= 16 or ctx < 2048
-        gluon = unfit is None and not given and (view.dtype == "nvfp4" or not small)
+        gluon = unfit is None and not given and (view.dtype in _FP4 or not small)
     elif gluon and unfit is not None:
         raise ValueError(f"`gluon=True`: the Gluon decode kernel does not run {unfit}")
     elif gluon and given:
@@ -1178,7 +1184,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         s,
         hq // view.num_kv_heads,
     )
-    if view.dtype == "nvfp4":
+    if view.dtype in _FP4:
         from kvpool.triton_kernels.decode_gluon_fp4 import decode_kernel
 
         kbs, vbs = view.k_block_scale.view(torch.uint8), view.v_block_scale.view(torch.uint8)
@@ -1190,10 +1196,12 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         hf, ablate = _GLUON_FP4_PROBE
         hf = hf and bsz <= 65535
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
+        mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)
+        dec = (2, 2) if mx else _GLUON_FP4_DEC
+        ksc, vsc = (kbs, vbs) if mx else (view.k_scale, view.v_scale)
         decode_kernel[grid](
-            *head, kbs, vbs, view.k_scale, view.v_scale, *tail, kbs.stride(0), vbs.stride(0),
-            *rest,
-            DEC_K=_GLUON_FP4_DEC[0], DEC_V=_GLUON_FP4_DEC[1], PAGED=paged,
+            *head, kbs, vbs, ksc, vsc, *tail, kbs.stride(0), vbs.stride(0), *rest,
+            DEC_K=dec[0], DEC_V=dec[1], PAGED=paged,
             STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
             ABLATE=ablate, **opts,
         )  # fmt: skip

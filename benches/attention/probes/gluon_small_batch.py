@@ -23,9 +23,17 @@ def main():
     ba.OUT = OUT
     res = []
     shapes = [(b, ctx) for b in (1, 2, 4) for ctx in (1024, 2048, 8192, 32768)]
+    dtypes = ("fp8_e4m3", "fp8_e5m2", "nvfp4")
+    name = "gluon_small_batch.json"
+    if os.environ.get("MX"):  # call 14: fp4_mx_block16's Gluon kernel, B=64/8k and small
+        shapes, dtypes, name = (
+            [(64, 8192), (16, 8192), (1, 32768), (1, 1024)],
+            ("fp4_mx_block16",),
+            "gluon_mx.json",
+        )
     sdpa = {s: ba.bench_sdpa(*s, 25)["ms"] for s in shapes}
-    for dtype in ("fp8_e4m3", "fp8_e5m2", "nvfp4"):
-        pool = ba.make_pool(dtype, 4 * 32768 + 4096)
+    for dtype in dtypes:
+        pool = ba.make_pool(dtype, 64 * 8192 + 4096)
         for b, ctx in shapes:
             for gluon in (False, True):
                 r = ba.bench_decode(pool, b, ctx, 16, 25, gluon=gluon)
@@ -33,7 +41,7 @@ def main():
                 r.update(sdpa_ms=sdpa[(b, ctx)], x_sdpa=sdpa[(b, ctx)] / r["ms"])
                 res.append(r)
                 print(json.dumps(r), flush=True)
-                with open(os.path.join(OUT, "gluon_small_batch.json"), "w") as f:
+                with open(os.path.join(OUT, name), "w") as f:
                     json.dump({"device": torch.cuda.get_device_name(), "results": res}, f, indent=1)
         del pool
 
