@@ -684,8 +684,10 @@ def test_decode_gpu_gluon(dtype, page):
                             plan_kw={"gluon": False, **kw}, **dict(opts))
         # as close to the oracle as the Triton kernel (nvfp4: the two differ by up to 0.5% on
         # heavy-tailed caches, the Triton kernel's fp16 p underflowing where this one's, taken
-        # against a running max that moves lazily, does not)
-        assert err <= max(1.25 * rel_err(tri, ref), TOL[dtype] / 4), (group, kw, opts)
+        # against a running max that moves lazily, does not; fp4_mx's bf16 operands: one ulp
+        # is 0.39%, so within two of it)
+        floor = 2.0**-7 if dtype == "fp4_mx_block16" else TOL[dtype] / 4
+        assert err <= max(1.25 * rel_err(tri, ref), floor), (group, kw, opts)
 
 
 @gpu

@@ -253,9 +253,9 @@ GLUON_TRITON = ((3, 6),)
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
     """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
 
-    It needs fp8 or nvfp4 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose
-    start and stride are multiples of 16 bytes with each head's 128 (fp8) or 64 (nvfp4) bytes
-    contiguous (128-bit loads), nvfp4 block scales 2-byte aligned with a head's 8 contiguous,
+    It needs fp8 or FP4 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose
+    start and stride are multiples of 16 bytes with each head's 128 (fp8) or 64 (FP4) bytes
+    contiguous (128-bit loads), FP4 block scales 2-byte aligned with a head's 8 contiguous,
     and :func:`_gluon_device_unfit`'s device and Triton. The layout checks come first, so they
     are named (and testable) on any device.
     """
@@ -531,11 +531,11 @@ class DecodePlan:
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     gluon : bool
         Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8,
-        ``decode_gluon_fp4.py`` for nvfp4; head_dim 128, 16-token tiles into tensor-core
-        fragments without layout conversions, one warp per program; a 3-stage cp.async ring for
-        e4m3 and nvfp4 (nvfp4 with page_size >= 16; smaller pages prefetch into registers),
-        ``prefetch`` (registers) for e5m2) instead of the Triton one; the other kernel options
-        are unused.
+        ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 128, 16-token tiles into
+        tensor-core fragments without layout conversions, one warp per program; a 3-stage
+        cp.async ring (FP4: with page_size >= 16 and 16-byte aligned scale rows; else register
+        prefetch, ``prefetch``) instead of the Triton one; the other kernel options are
+        unused.
     """
 
     page_table: torch.Tensor
@@ -658,13 +658,13 @@ def plan_decode(
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
     gluon : bool, optional
-        Use the Gluon kernel. Default: where it can run (fp8 or nvfp4 caches, CUDA compute
+        Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, CUDA compute
         capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
         Triton in
         ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and for fp8
         the batch has more than 16 programs per split (B x KV heads) and the longest request
         is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or
-        faster; nvfp4's Gluon kernel is faster at every batch, run 8 call 11).
+        faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
@@ -1143,7 +1143,7 @@ def decode(
 
 
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
-    """Launch the fp8 or nvfp4 Gluon decode kernel (the caller merges the splits).
+    """Launch the fp8 or FP4 Gluon decode kernel (the caller merges the splits).
 
     fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_PROBE``); nvfp4:
     ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_PROBE``). Both run the KV head fastest in
