@@ -5,13 +5,16 @@ integer and half-precision instructions in PTX text built by ``_k_block_asm`` /
 ``_v_block_asm``. A small interpreter for exactly those instructions (written from the PTX ISA's
 definitions: ``prmt`` default mode, logical ``shr.b32``, ``cvt.rn.f16x2.e4m3x2``,
 ``mul.rn.f16x2``, ``fma.rn.bf16x2``) runs the generated text on random blocks; the outputs must
-equal an independent dequantization (``formats.E2M1_VALUES``, torch's float8_e4m3fn, powers of
-two) times the documented factor of each decode (2^-14, 1/64 or 1), in the documented order.
+equal, bit for bit (signed zeros included), an independent dequantization
+(``formats.E2M1_VALUES``, torch's float8_e4m3fn, powers of two) times the documented factor of
+each decode (2^-14, 1/64 or 1), in the documented order: every nibble in every position, every
+scale byte (each finite e4m3 byte; each of the 256 exponent bytes of fp4_mx_block16).
 A bit error in a mask, shift or ``prmt`` selector fails here, without a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -46,6 +49,18 @@ def _e4m3(byte: int) -> float:
     return torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
 
 
+@functools.cache
+def _parse(asm: str) -> tuple:
+    """``(opcode, operands)`` of each instruction of a ``{ ... }`` PTX block (no ``.reg``)."""
+    prog = []
+    for ins in asm.strip().strip("{}").split(";"):
+        ins = ins.strip()
+        if ins and not ins.startswith(".reg"):
+            op, rest = ins.split(None, 1)
+            prog.append((op, tuple(t.strip() for t in re.split(r",(?![^{]*})", rest))))
+    return tuple(prog)
+
+
 def run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
     """Run the generated PTX block; ``args`` fill ``$n_out...``; returns ``$0..$n_out-1`` as
     16-bit patterns."""
@@ -58,12 +73,7 @@ def run_ptx(asm: str, args: list[int], n_out: int) -> list[int]:
             return regs[tok]
         return int(tok, 16) if tok.lower().startswith("0x") else int(tok)
 
-    for ins in asm.strip().strip("{}").split(";"):
-        ins = ins.strip()
-        if not ins or ins.startswith(".reg"):
-            continue
-        op, rest = ins.split(None, 1)
-        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)]
+    for op, ops in _parse(asm):
         if op in ("mov.b64", "mov.b32") and ops[0].startswith("{"):  # unpack
             parts = [p.strip() for p in ops[0].strip("{}").split(",")]
             v, w = val(ops[1]), (32 if op == "mov.b64" else 16)
@@ -143,35 +153,35 @@ def _k_nibble(p: int, e: int, dec: int) -> int:
     return 8 * (p // 4) + p % 4 + 4 * e
 
 
-def _decode(bits: int, dec: int) -> float:
-    return _bf16(bits) if dec == 2 else _f16(bits)
+def _bits(x: float, dec: int) -> int:
+    """The 16-bit pattern of ``x`` in the decode's type (signed zeros kept)."""
+    return _bf16_bits(x) if dec == 2 else _f16_bits(x)
 
 
-def _random_blocks(rng, n):
-    blocks = [int(x) for x in rng.integers(0, 2**63, size=n, dtype=np.int64)]
-    blocks += [0, 0x7777777777777777, 0x8888888888888888, 0xF0F0F0F0F0F0F0F0]  # extremes
-    return blocks
+def _blocks(rng, n):
+    """Every nibble value in every position (16 rotations), then random blocks."""
+    rot = [sum(((i + k) % 16) << (4 * i) for i in range(16)) for k in range(16)]
+    return rot + [int(x) for x in rng.integers(0, 2**64, size=n, dtype=np.uint64)]
 
 
 def _scale_bytes(dec):
-    if dec == 2:
-        return [0, 1, 100, 126, 127, 128, 129, 200, 252, 253, 255]
-    return [0x00, 0x01, 0x07, 0x08, 0x30, 0x38, 0x40, 0x7E]  # e4m3: 0, subnormals, 1.0, 448
+    """Every exponent byte for fp4_mx_block16; every finite e4m3 byte for nvfp4."""
+    return list(range(256)) if dec == 2 else [b for b in range(256) if b & 0x7F != 0x7F]
 
 
 @pytest.mark.parametrize("dec", [0, 1, 2])
 def test_k_block_ptx_matches_dequantization(dec):
     rng = np.random.default_rng(dec)
     asm = fp4._k_block_asm(dec)
-    for block in _random_blocks(rng, 12):
-        for sb in _scale_bytes(dec):
+    blocks = _blocks(rng, 4)
+    for i, sb in enumerate(_scale_bytes(dec)):
+        for block in (blocks[i % 16], blocks[16 + i % 4]) if i % 8 else blocks:
             out = run_ptx(asm, [block, sb], 16)
             nib = _nibbles(block)
             for p in range(8):
                 for e in range(2):
-                    got = _decode(out[2 * p + e], dec)
                     want = _e2m1(nib[_k_nibble(p, e, dec)]) * _scale(sb, dec)
-                    assert got == want, (dec, hex(block), sb, p, e, got, want)
+                    assert out[2 * p + e] == _bits(want, dec), (dec, hex(block), sb, p, e)
 
 
 @pytest.mark.parametrize("dec", [0, 1, 2])
@@ -179,12 +189,13 @@ def test_v_block_ptx_matches_dequantization(dec):
     """Value dim ``c`` of the block (``8 word + nibble``) for the even and the odd token row."""
     rng = np.random.default_rng(10 + dec)
     asm = fp4._v_block_asm(dec)
-    blocks = _random_blocks(rng, 8)
+    blocks = _blocks(rng, 4)
     scales = _scale_bytes(dec)
-    for i, (be, bo) in enumerate(zip(blocks, blocks[1:] + blocks[:1])):
-        se, so = scales[i % len(scales)], scales[(3 * i + 1) % len(scales)]
+    for i, se in enumerate(scales):
+        so = scales[(7 * i + 3) % len(scales)]
+        be, bo = blocks[i % len(blocks)], blocks[(i + 5) % len(blocks)]
         out = run_ptx(asm, [be, bo, se, so], 32)
         ne, no = _nibbles(be), _nibbles(bo)
         for c in range(16):
-            assert _decode(out[2 * c], dec) == _e2m1(ne[c]) * _scale(se, dec), (dec, i, c)
-            assert _decode(out[2 * c + 1], dec) == _e2m1(no[c]) * _scale(so, dec), (dec, i, c)
+            assert out[2 * c] == _bits(_e2m1(ne[c]) * _scale(se, dec), dec), (dec, i, c)
+            assert out[2 * c + 1] == _bits(_e2m1(no[c]) * _scale(so, dec), dec), (dec, i, c)

@@ -26,8 +26,10 @@ low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
   the operands are bf16: the nibble's bits placed as a bf16 (``E2M1 * 2^-126``, the subnormal
   0.5 on bf16's 2^-127), then two exact ``fma.rn.bf16x2`` by ``2^min(E - 1, 127)`` and
   ``2^max(E - 128, 0)`` (one factor would overflow for E > 128): exact values, no global scale,
-  bf16 MMAs (as the Triton kernel's mx path). Run 8, call 14: B=64/8k 0.297 ms (1.66x SDPA)
-  vs 0.465 for the Triton kernel.
+  bf16 MMAs (as the Triton kernel's mx path, which clamps exponents above 248, |x| > 6 * 2^121;
+  this one is exact up to 252, the largest the write path stores). Run 8, call 14: B=64/8k
+  0.297 ms (1.66x SDPA) vs 0.465 for the Triton kernel. ``tests/test_gluon_fp4_ptx.py`` runs
+  the generated PTX of every decode on the CPU against the formats, bit for bit.
 - V^T's A fragment needs two tokens per register: ``prmt`` puts byte ``j`` of two token rows
   into bytes 1 and 3 (and byte ``j'`` into 0 and 2) of one word, which then yields four
   registers by shifts.
@@ -76,7 +78,7 @@ def _mx_scale(e: str, a: str, b: str) -> str:
     """PTX: bf16 bits of ``2^min(E - 1, 127)`` into ``a`` and ``2^max(E - 128, 0)`` into ``b``
     for the fp4_mx_block16 exponent byte ``e`` (``2^(E - 127)`` over the decode's 2^-126 in two
     exact factors: one would overflow bf16 for E > 128); bytes above 252 (never written) as
-    252."""
+    252. ``e`` must be zero-extended (the kernel widens the uint8 scale bytes to int32)."""
     return (
         f"min.u32 {a}, {e}, 252; max.u32 {b}, {a}, 128; add.u32 {a}, {a}, 126; "
         f"min.u32 {a}, {a}, 254; shl.b32 {a}, {a}, 7; sub.u32 {b}, {b}, 1; shl.b32 {b}, {b}, 7; "
@@ -414,6 +416,7 @@ def decode_kernel(
     # the decode's 2^-14 (DEC 0) or 1/64 (DEC 1), undone with the global scales
     # (DEC 2, fp4_mx_block16: exact values in bf16, no global scale, partials in true units)
     MX: gl.constexpr = DEC_K == 2
+    gl.static_assert((DEC_K == 2) == (DEC_V == 2), "DEC 2 (bf16 operands) for both K and V")
     CDT: gl.constexpr = gl.bfloat16 if MX else gl.float16
     KMUL: gl.constexpr = 16384.0 if DEC_K == 0 else (64.0 if DEC_K == 1 else 1.0)
     VMUL: gl.constexpr = 16384.0 if DEC_V == 0 else (64.0 if DEC_V == 1 else 1.0)
