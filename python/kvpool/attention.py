@@ -338,7 +338,7 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # 0.297-0.300 ms (1.66x SDPA), B=128/8k 0.581-0.584, B=16/8k 0.088-0.089.
 # dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
 # nvfp4 (``decode_gluon_fp4.py``): a 3-stage ring (123 registers, 6.9 KiB of shared memory),
-# split model of 12 programs per SM: run 8 (``results/run8_h200/gluon_fp4``), B=64/8k with the
+# split model of 12 programs per SM: run 8 (``results/run8_h200/NOTES.md``), B=64/8k with the
 # grid's KV head fastest: 3 splits 0.245 ms, 4: 0.256, 6: 0.247; rings of 4 and 6 stages and
 # register prefetch were no faster (0.252-0.268 at 3 splits).
 # Run 8 (call 9): with the head-fast grid 3 splits beat 4 at B=64/8k for both fp8 dtypes, so
@@ -660,11 +660,10 @@ def plan_decode(
     gluon : bool, optional
         Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, CUDA compute
         capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
-        Triton in
-        ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and for fp8
-        the batch has more than 16 programs per split (B x KV heads) and the longest request
-        is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast or
-        faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
+        Triton in ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and
+        for fp8 the batch has more than 16 programs per split (B x KV heads) and the longest
+        request is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast
+        or faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
@@ -714,8 +713,8 @@ def plan_decode(
         # fp8, run 7 grid (H200): 7-14% faster than the Triton kernel from 8k tokens on at
         # B >= 16; at 1k no gain (B=64, 128) or a loss (B=16: 25.3 vs 22.7 us); at <= 16
         # programs the Triton kernel is as fast or faster (run 8 call 11: B=1/32k e4m3 40.6 vs
-        # 35.5 us, e5m2 42.4 vs 35.5). nvfp4 (call 11): faster at every small batch too
-        # (B=1..4 x 1k..32k: 13.7 vs 17.3 us at B=1/1k, 31.7 vs 45.4 at B=1/32k)
+        # 35.5 us, e5m2 42.4 vs 35.5). FP4: faster at every small batch too (nvfp4, call 11,
+        # B=1..4 x 1k..32k: 13.7 vs 17.3 us at B=1/1k, 31.7 vs 45.4 at B=1/32k; mx, call 14)
         small = b * view.num_kv_heads <= 16 or ctx < 2048
         gluon = unfit is None and not given and (view.dtype in _FP4 or not small)
     elif gluon and unfit is not None:
@@ -994,7 +993,7 @@ def decode(
         A tensor of the wrong shape, dtype or device (the message names it), a bad option;
         for the kernels also ``q``, ``out`` or ``page_table`` not contiguous in the last dim,
         ``seq_lens`` not contiguous, and a ``plan`` made for another batch or one whose kernel
-        cannot run this layer (a Gluon plan on a bf16 or fp4_mx view, another head_dim, ...).
+        cannot run this layer (a Gluon plan on a bf16 or fp32 view, another head_dim, ...).
     """
     _check_view(view)
     dev = view.k.device
@@ -1145,10 +1144,10 @@ def decode(
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
     """Launch the fp8 or FP4 Gluon decode kernel (the caller merges the splits).
 
-    fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_PROBE``); nvfp4:
-    ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_PROBE``). Both run the KV head fastest in
-    the grid (batch on grid y) up to 65,535 requests, the grid's y limit; larger batches keep
-    the batch on x.
+    fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_PROBE``); nvfp4 and
+    fp4_mx_block16: ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_PROBE``). Both run the KV
+    head fastest in the grid (batch on grid y) up to 65,535 requests, the grid's y limit;
+    larger batches keep the batch on x.
     """
     bsz, hq, _ = q.shape
     s = plan.num_splits
