@@ -302,6 +302,38 @@ def _load_tile(
 
 
 @gluon.jit
+def _load_kv(
+    ptrs,
+    strides,
+    s,
+    end,
+    lo,
+    pt_row,
+    page_shift,
+    page_mask,
+    kr,
+    kc,
+    vr,
+    vc,
+    PAGED: gl.constexpr,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
+):
+    """``_load_tile`` of K (rows ``kr``, blocks ``kc``) and of V: ``(kx, ks, vx, vs)``."""
+    kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
+    srk, srv, ssk, ssv = strides
+    kx, ks = _load_tile(
+        kx_ptr, ks_ptr, s, end, pt_row, page_shift, page_mask, srk, ssk, kr, kc, lo, PAGED, GUARD,
+        WINDOW,
+    )  # fmt: skip
+    vx, vs = _load_tile(
+        vx_ptr, vs_ptr, s, end, pt_row, page_shift, page_mask, srv, ssv, vr, vc, lo, PAGED, GUARD,
+        WINDOW,
+    )  # fmt: skip
+    return kx, ks, vx, vs
+
+
+@gluon.jit
 def _issue(
     bufs,
     stage,
@@ -482,6 +514,8 @@ def decode_kernel(
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
 
+    ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
+    strides = (srk, srv, stride_ksr, stride_vsr)
     if STAGES > 0:
         # ring of STAGES tiles in shared memory filled by cp.async (PAGED only: one page id per
         # tile, loaded one iteration before its tile is issued)
@@ -498,8 +532,6 @@ def decode_kernel(
             gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
             gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
         )
-        ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
-        strides = (srk, srv, stride_ksr, stride_vsr)
         rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
         cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
@@ -513,40 +545,10 @@ def decode_kernel(
     else:
         # (a split past the end, or an empty request, reads the last row, or row 0 of page 0)
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
-        kx_n, ks_n = _load_tile(
-            kx_ptr,
-            ks_ptr,
-            s0,
-            end,
-            pt_row,
-            page_shift,
-            page_mask,
-            srk,
-            stride_ksr,
-            kr,
-            kc,
-            lo,
-            PAGED,
-            True,
+        kx_n, ks_n, vx_n, vs_n = _load_kv(
+            ptrs, strides, s0, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED, True,
             HAS_WINDOW,
-        )
-        vx_n, vs_n = _load_tile(
-            vx_ptr,
-            vs_ptr,
-            s0,
-            end,
-            pt_row,
-            page_shift,
-            page_mask,
-            srv,
-            stride_vsr,
-            vr,
-            vc,
-            lo,
-            PAGED,
-            True,
-            HAS_WINDOW,
-        )
+        )  # fmt: skip
     i = 0
     for s in range(start, end, BN):
         if STAGES > 0:
@@ -581,40 +583,10 @@ def decode_kernel(
             kx, ks, vx, vs = kx_n, ks_n, vx_n, vs_n
             # the next tile (past ``end`` it re-reads this tile's last row; its result is unused)
             nxt = gl.minimum(s + BN, end - 1)
-            kx_n, ks_n = _load_tile(
-                kx_ptr,
-                ks_ptr,
-                nxt,
-                end,
-                pt_row,
-                page_shift,
-                page_mask,
-                srk,
-                stride_ksr,
-                kr,
-                kc,
-                lo,
-                PAGED,
-                False,
-                HAS_WINDOW,
-            )
-            vx_n, vs_n = _load_tile(
-                vx_ptr,
-                vs_ptr,
-                nxt,
-                end,
-                pt_row,
-                page_shift,
-                page_mask,
-                srv,
-                stride_vsr,
-                vr,
-                vc,
-                lo,
-                PAGED,
-                False,
-                HAS_WINDOW,
-            )
+            kx_n, ks_n, vx_n, vs_n = _load_kv(
+                ptrs, strides, nxt, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED,
+                False, HAS_WINDOW,
+            )  # fmt: skip
 
         if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
             t = gl.sum(gl.sum(kx ^ ks.to(gl.int64), 1), 0) + gl.sum(
