@@ -195,6 +195,27 @@ def _tile_rows(
 
 
 @gluon.jit
+def _kv_rows(
+    s,
+    end,
+    pt_row,
+    page_shift,
+    page_mask,
+    kr,
+    vr,
+    lo,
+    PAGED: gl.constexpr,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
+):
+    """:func:`_tile_rows` of the tile at ``s`` for K's rows ``kr`` and V's ``vr``:
+    ``(k_row0, k_rows, v_row0, v_rows)``."""
+    k0, rk = _tile_rows(s, end, pt_row, page_shift, page_mask, kr, lo, PAGED, GUARD, WINDOW)
+    v0, rv = _tile_rows(s, end, pt_row, page_shift, page_mask, vr, lo, PAGED, GUARD, WINDOW)
+    return k0, rk, v0, rv
+
+
+@gluon.jit
 def _addr(ptr, sr, row0, rows, c, PAGED: gl.constexpr):
     """Addresses of columns ``c`` of the rows of :func:`_tile_rows` (row stride ``sr``)."""
     if PAGED:
@@ -262,6 +283,8 @@ def decode_kernel(
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
+    # (the planner gives every Gluon plan a ring or register prefetch)
+    gl.static_assert(STAGES > 0 or PREFETCH, "STAGES > 0 or PREFETCH")
     # one mma.sync m16n8k16 layout for both dots (QK: [16 heads, 16 tokens]; PV: [128, 8 heads])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
@@ -338,11 +361,8 @@ def decode_kernel(
         vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
-            k0, rk = _tile_rows(
-                sj, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW
-            )
-            v0, rv = _tile_rows(
-                sj, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW
+            k0, rk, v0, rv = _kv_rows(
+                sj, end, pt_row, page_shift, page_mask, kr, vr, lo, PAGED, True, HAS_WINDOW
             )
             _issue(
                 ks,
@@ -352,17 +372,15 @@ def decode_kernel(
                 _addr(vw_ptr, srv, v0, rv, vc, PAGED),
             )
         sn = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
-        nk0, nk = _tile_rows(
-            sn, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW
-        )
-        nv0, nv = _tile_rows(
-            sn, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW
+        nk0, nk, nv0, nv = _kv_rows(
+            sn, end, pt_row, page_shift, page_mask, kr, vr, lo, PAGED, True, HAS_WINDOW
         )
     i = 0
-    if PREFETCH and STAGES == 0:
+    if STAGES == 0:
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
-        k0, rk = _tile_rows(s0, end, pt_row, page_shift, page_mask, kr, lo, PAGED, True, HAS_WINDOW)
-        v0, rv = _tile_rows(s0, end, pt_row, page_shift, page_mask, vr, lo, PAGED, True, HAS_WINDOW)
+        k0, rk, v0, rv = _kv_rows(
+            s0, end, pt_row, page_shift, page_mask, kr, vr, lo, PAGED, True, HAS_WINDOW
+        )
         kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
         vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
     for s in range(start, end, BN):
@@ -377,11 +395,8 @@ def decode_kernel(
             )
             # (past the end: the split's last token again, unused)
             sn = gl.minimum(s + STAGES * BN, end - 1)
-            nk0, nk = _tile_rows(
-                sn, end, pt_row, page_shift, page_mask, kr, lo, PAGED, False, HAS_WINDOW
-            )
-            nv0, nv = _tile_rows(
-                sn, end, pt_row, page_shift, page_mask, vr, lo, PAGED, False, HAS_WINDOW
+            nk0, nk, nv0, nv = _kv_rows(
+                sn, end, pt_row, page_shift, page_mask, kr, vr, lo, PAGED, False, HAS_WINDOW
             )
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile's words, copied by every lane, are visible
@@ -389,23 +404,13 @@ def decode_kernel(
             vw = vs.index(i % STAGES).load(VL)
             i += 1
         else:
-            if PREFETCH:
-                kw, vw = kw_n, vw_n
-                sl = gl.minimum(s + BN, end - 1)  # the next tile (past the end: unused)
-            else:
-                sl = s
-            k0, rk = _tile_rows(
-                sl, end, pt_row, page_shift, page_mask, kr, lo, PAGED, False, HAS_WINDOW
+            kw, vw = kw_n, vw_n
+            sl = gl.minimum(s + BN, end - 1)  # the next tile (past the end: unused)
+            k0, rk, v0, rv = _kv_rows(
+                sl, end, pt_row, page_shift, page_mask, kr, vr, lo, PAGED, False, HAS_WINDOW
             )
-            v0, rv = _tile_rows(
-                sl, end, pt_row, page_shift, page_mask, vr, lo, PAGED, False, HAS_WINDOW
-            )
-            kw_l = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
-            vw_l = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
-            if PREFETCH:
-                kw_n, vw_n = kw_l, vw_l
-            else:
-                kw, vw = kw_l, vw_l
+            kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
+            vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
 
         kt = _k_operand(kw, KOP, E5M2)
         sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
