@@ -358,14 +358,14 @@ _GLUON_FP4_DEC = (1, 1)
 # nvfp4 grid order and benchmark ablation: (KV head fastest in the grid, so a request's heads
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
 # B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results)
-_GLUON_FP4_PROBE = (True, 0)
+_GLUON_FP4_OPTIONS = (True, 0)
 # fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
 # softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
 # (``results/run8_h200/call9_fp8_diet.json``, B=64/8k, 3 splits, SDPA 0.492 ms): e4m3 run 7's
 # addressing 0.287 ms, one page id per tile 0.285, + head-fast grid 0.272 (1.81x SDPA), + lazy
 # rescale 0.273 (136 registers instead of 128, so kept eager); e5m2 0.303 -> 0.292 -> lazy 0.282
 # -> head-fast 0.277 (1.78x). 4 splits were slower in every pair (0.287-0.386).
-_GLUON_FP8_PROBE = {"fp8_e4m3": (True, -1.0, True), "fp8_e5m2": (True, 8.0, True)}
+_GLUON_FP8_OPTIONS = {"fp8_e4m3": (True, -1.0, True), "fp8_e5m2": (True, 8.0, True)}
 _GLUON_OVERHEAD = 256
 
 
@@ -1144,8 +1144,8 @@ def decode(
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
     """Launch the fp8 or FP4 Gluon decode kernel (the caller merges the splits).
 
-    fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_PROBE``); nvfp4 and
-    fp4_mx_block16: ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_PROBE``). Both run the KV
+    fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_OPTIONS``); nvfp4 and
+    fp4_mx_block16: ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_OPTIONS``). Both run the KV
     head fastest in the grid (batch on grid y) up to 65,535 requests, the grid's y limit;
     larger batches keep the batch on x.
     """
@@ -1192,7 +1192,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
-        hf, ablate = _GLUON_FP4_PROBE
+        hf, ablate = _GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)
@@ -1207,7 +1207,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         return
     from kvpool.triton_kernels.decode_gluon import decode_kernel
 
-    paged, rescale, hf = _GLUON_FP8_PROBE[view.dtype]
+    paged, rescale, hf = _GLUON_FP8_OPTIONS[view.dtype]
     hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
     decode_kernel[grid](

@@ -25,7 +25,7 @@ RES = []
 DEFAULTS = (
     attention._GLUON_CONFIG["nvfp4"],
     attention._GLUON_FP4_DEC,
-    attention._GLUON_FP4_PROBE,
+    attention._GLUON_FP4_OPTIONS,
 )
 
 
@@ -47,7 +47,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
     for tag, dec, kw in points:
         kw = dict(kw)
         stages = kw.pop("stages", DEFAULTS[0][0])
-        attention._GLUON_FP4_PROBE = (kw.pop("head_fast", True), kw.pop("ablate", 0))
+        attention._GLUON_FP4_OPTIONS = (kw.pop("head_fast", True), kw.pop("ablate", 0))
         try:
             attention._GLUON_CONFIG["nvfp4"] = (stages, DEFAULTS[0][1])
             if dec is not None:
@@ -69,7 +69,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
                 dec=dec,
                 plan=kw,
                 stages=stages,
-                probe=attention._GLUON_FP4_PROBE,
+                probe=attention._GLUON_FP4_OPTIONS,
                 splits=plan.num_splits,
                 gluon=plan.gluon,
                 us=ms * 1e3,
@@ -78,7 +78,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
             )
         except Exception as e:  # noqa: BLE001
             rec(tag=tag, dtype=view.dtype, B=b, ctx=ctx, dec=dec, plan=kw, error=repr(e)[:400])
-    attention._GLUON_CONFIG["nvfp4"], attention._GLUON_FP4_DEC, attention._GLUON_FP4_PROBE = (
+    attention._GLUON_CONFIG["nvfp4"], attention._GLUON_FP4_DEC, attention._GLUON_FP4_OPTIONS = (
         DEFAULTS
     )
 

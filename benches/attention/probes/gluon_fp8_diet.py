@@ -1,6 +1,6 @@
 """Run 8, call 9: the fp8 Gluon decode with the addressing of the nvfp4 kernel, one device call.
 
-``attention._GLUON_FP8_PROBE`` = (PAGED: one page id per 16-aligned tile and 32-bit lane offsets
+``attention._GLUON_FP8_OPTIONS`` = (PAGED: one page id per 16-aligned tile and 32-bit lane offsets
 instead of a page id and a 64-bit row product per token; RESCALE: lazy softmax rescale threshold,
 < 0 = every tile; HEAD_FAST: KV head fastest in the grid). ``(False, -1.0, False)`` is the
 addressing of run 7 (with rows past the end clamped instead of masked). B=64/8k, page 16,
@@ -21,7 +21,7 @@ from kvpool import attention  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 RES = []
-DEFAULT = dict(attention._GLUON_FP8_PROBE)
+DEFAULT = dict(attention._GLUON_FP8_OPTIONS)
 
 
 def rec(**r):
@@ -51,7 +51,7 @@ def main():
         ]
         for knobs in variants:
             for splits in (3, 4):
-                attention._GLUON_FP8_PROBE = {**DEFAULT, dtype: knobs}
+                attention._GLUON_FP8_OPTIONS = {**DEFAULT, dtype: knobs}
                 try:
                     plan = attention.plan_decode(view, ba.HQ, pt, sl, num_splits=splits, gluon=True)
                     out = torch.empty(b, ba.HQ, ba.D, dtype=torch.bfloat16, device="cuda")
@@ -71,7 +71,7 @@ def main():
                     )
                 except Exception as e:  # noqa: BLE001
                     rec(tag="gluon", dtype=dtype, knobs=knobs, splits=splits, error=repr(e)[:300])
-        attention._GLUON_FP8_PROBE = dict(DEFAULT)
+        attention._GLUON_FP8_OPTIONS = dict(DEFAULT)
         del view
     rec(tag="sdpa_end", us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
