@@ -57,6 +57,7 @@ import triton  # noqa: F401  (Gluon needs Triton's runtime)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .decode_gluon import _addr, _first8, _rows0to7, _tile_row0, _tile_rows
 
@@ -349,6 +350,8 @@ def _issue(
     cs,
     GUARD: gl.constexpr,
     WINDOW: gl.constexpr,
+    descs=None,
+    TMA: gl.constexpr = False,
 ):
     """cp.async of one tile (K, V blocks; K, V scale rows) into ring stage ``stage``: rows
     ``row0`` + the offsets of ``decode_gluon._tile_rows`` (clamped to the last token and to a
@@ -366,12 +369,19 @@ def _issue(
         os_ = gl.maximum(os_, lo - s)
     od = od[:, None]
     os_ = os_[:, None]
-    async_copy.async_copy_global_to_shared(
-        kd.index(stage), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
-    )
-    async_copy.async_copy_global_to_shared(
-        vd.index(stage), (vx_ptr + row0 * srv) + (od * srv + cd[None, :])
-    )
+    if TMA:  # probes: the tile's 16 data rows as two TMA boxes (rows past the end included)
+        kdesc, vdesc, bars, col = descs
+        bar = bars.index(stage)
+        mbarrier.expect(bar, 2 * 16 * 64)
+        tma.async_copy_global_to_shared(kdesc, [row0.to(gl.int32), col], bar, kd.index(stage))
+        tma.async_copy_global_to_shared(vdesc, [row0.to(gl.int32), col], bar, vd.index(stage))
+    else:
+        async_copy.async_copy_global_to_shared(
+            kd.index(stage), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
+        )
+        async_copy.async_copy_global_to_shared(
+            vd.index(stage), (vx_ptr + row0 * srv) + (od * srv + cd[None, :])
+        )
     async_copy.async_copy_global_to_shared(
         ksm.index(stage), (ks_ptr + row0 * ssk) + (os_ * ssk + cs[None, :])
     )
@@ -379,6 +389,43 @@ def _issue(
         vsm.index(stage), (vs_ptr + row0 * ssv) + (os_ * ssv + cs[None, :])
     )
     async_copy.commit_group()
+
+
+_PF_ASM = gl.constexpr(
+    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }"
+)
+
+
+@gluon.jit
+def _prefetch_rows(K, V, KBS, VBS, row0, stride_kr, stride_vr, stride_ksr, stride_vsr, hk, nh):
+    """L2 prefetch of this KV head's share of a 16-token tile's whole cache rows (all heads):
+    program ``hk`` of ``nh`` takes the ``hk``-th 1/nh of the tile's K and V bytes (up to 8
+    128-byte lines each) and of its scale rows (one line each), so the heads of a request
+    together fetch the tile's rows as contiguous runs instead of 64-byte pieces."""
+    PL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    ln = gl.arange(0, 32, layout=PL)
+    r0 = row0 - (row0 & 15)
+    kpart = (16 * stride_kr) // nh
+    vpart = (16 * stride_vr) // nh
+    kspart = (16 * stride_ksr) // nh
+    vspart = (16 * stride_vsr) // nh
+    lk = gl.minimum(ln, 7) * 128
+    lv = gl.minimum(gl.maximum(ln - 8, 0), 7) * 128
+    pk = K + (r0 * stride_kr + hk * kpart + gl.minimum(lk, kpart - 1))
+    pv = V + (r0 * stride_vr + hk * vpart + gl.minimum(lv, vpart - 1))
+    pks = KBS + (r0 * stride_ksr + hk * kspart)
+    pvs = VBS + (r0 * stride_vsr + hk * vspart)
+    ptr = gl.where(ln < 8, pk, gl.where(ln < 16, pv, gl.where(ln == 16, pks, pvs)))
+    on = ((ln < 8) & (ln * 128 < kpart)) | ((ln >= 8) & (ln < 16) & ((ln - 8) * 128 < vpart))
+    on = on | (ln == 16) | (ln == 17)
+    gl.inline_asm_elementwise(
+        asm=_PF_ASM,
+        constraints="=r,l,r",
+        args=[ptr, on.to(gl.int32)],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit(do_not_specialize=["group"])  # (a group of 1 would become a constant)
@@ -423,6 +470,10 @@ def decode_kernel(
     RESCALE: gl.constexpr = 8.0,
     HEAD_FAST: gl.constexpr = False,
     ABLATE: gl.constexpr = 0,
+    PF: gl.constexpr = 0,
+    KD=None,
+    VD=None,
+    TMA: gl.constexpr = False,
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
@@ -526,12 +577,30 @@ def decode_kernel(
         CS: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
         )
-        bufs = (
-            gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
-            gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
-            gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
-            gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
-        )
+        descs = None
+        if TMA:
+            # TMA's 64-byte swizzle is SD's (16-byte chunk c of row r at c ^ (r // 2) % 4)
+            TL: gl.constexpr = gl.NVMMASharedLayout(
+                swizzle_byte_width=64, element_bitwidth=8, rank=2
+            )
+            bufs = (
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], TL),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], TL),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+            )
+            bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for j in gl.static_range(STAGES):
+                mbarrier.init(bars.index(j), count=1)
+            fence_async_shared()
+            descs = (KD, VD, bars, hk * 64)
+        else:
+            bufs = (
+                gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
+                gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+            )
         rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
         cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
@@ -539,7 +608,10 @@ def decode_kernel(
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
             row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
-            _issue(bufs, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs, True, HAS_WINDOW)
+            _issue(
+                bufs, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs, True, HAS_WINDOW,
+                descs, TMA,
+            )  # fmt: skip
         s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
         row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask, True)
     else:
@@ -568,14 +640,28 @@ def decode_kernel(
                 cs,
                 False,
                 HAS_WINDOW,
+                descs,
+                TMA,
             )
             s_n = gl.minimum(s + STAGES * BN, end - 1)
             row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
+            if PF > 0:  # probes: whole cache rows into L2, PF tiles ahead of the ring
+                s_p = gl.minimum(s + (STAGES - 1 + PF) * BN, end - 1)
+                row_p = _tile_row0(s_p, end, pt_row, page_shift, page_mask)
+                nh = gl.num_programs(0 if HEAD_FAST else 1)
+                _prefetch_rows(
+                    K, V, KBS, VBS, row_p, stride_kr, stride_vr, stride_ksr, stride_vsr, hk, nh
+                )
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile, copied by every lane, is visible
             st = i % STAGES
-            kx = bufs[0].index(st).load(KL)
-            vx = bufs[1].index(st).load(VL)
+            if TMA:
+                mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+                kx = bufs[0].index(st)._reinterpret(gl.int64, [BN, 8], SD).load(KL)
+                vx = bufs[1].index(st)._reinterpret(gl.int64, [BN, 8], SD).load(VL)
+            else:
+                kx = bufs[0].index(st).load(KL)
+                vx = bufs[1].index(st).load(VL)
             ks = bufs[2].index(st).load(KL).to(gl.int32)
             vs = bufs[3].index(st).load(VL).to(gl.int32)
             i += 1

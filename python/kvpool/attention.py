@@ -357,8 +357,9 @@ _GLUON_CONFIG = {
 _GLUON_FP4_DEC = (1, 1)
 # nvfp4 grid order and benchmark ablation: (KV head fastest in the grid, so a request's heads
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
-# B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results)
-_GLUON_FP4_OPTIONS = (True, 0)
+# B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results; L2 prefetch
+# of whole cache rows this many tiles ahead, 0 = off; K/V data tiles by TMA, probes only)
+_GLUON_FP4_OPTIONS = (True, 0, 0, False)
 # fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
 # softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
 # (``results/run8_h200/call9_fp8_diet.json``, B=64/8k, 3 splits, SDPA 0.492 ms): e4m3 run 7's
@@ -1192,8 +1193,13 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
-        hf, ablate = _GLUON_FP4_OPTIONS
+        hf, ablate, pf, use_tma = _GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
+        extra = {}
+        if ring and pf:
+            extra["PF"] = pf
+        if ring and use_tma:
+            extra.update(TMA=True, KD=_tma_desc(view.k), VD=_tma_desc(view.v))
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)
         dec = (2, 2) if mx else _GLUON_FP4_DEC
@@ -1202,7 +1208,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
             *head, kbs, vbs, ksc, vsc, *tail, kbs.stride(0), vbs.stride(0), *rest,
             DEC_K=dec[0], DEC_V=dec[1], PAGED=paged,
             STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
-            ABLATE=ablate, **opts,
+            ABLATE=ablate, **extra, **opts,
         )  # fmt: skip
         return
     from kvpool.triton_kernels.decode_gluon import decode_kernel
@@ -1216,6 +1222,20 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,
         HEAD_FAST=hf, **opts,
     )  # fmt: skip
+
+
+def _tma_desc(t: torch.Tensor):
+    """TMA descriptor of an FP4 data buffer (probes).
+
+    ``t`` is ``[R, H, 64]`` uint8, described as ``[R, H * 64]`` with 16 x 64 boxes and the
+    64-byte swizzle.
+    """
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    shape = [t.shape[0], t.shape[1] * t.shape[2]]
+    return TensorDescriptor(t, shape, [t.stride(0), 1], [16, 64], layout)
 
 
 def _check_unit_inner_strides(**tensors: torch.Tensor) -> None:
