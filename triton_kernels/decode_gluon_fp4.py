@@ -59,7 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .decode_gluon import _addr, _first8, _rows0to7, _tile_row0, _tile_rows
+from .decode_gluon import _addr, _rows0to7, _tile_row0, _tile_rows
 
 # --- inline PTX, built once at import ------------------------------------------------------
 
@@ -193,6 +193,21 @@ _K_ASM2 = gl.constexpr(_k_block_asm(2))
 _V_ASM2 = gl.constexpr(_v_block_asm(2))
 _K_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["l", "r"]))
 _V_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 32 + ["l", "l", "r", "r"]))
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x in fp32 with subnormal results flushed to zero (``ex2.approx.ftz.f32``: one MUFU
+    instruction; without ``.ftz`` ptxas adds a range check and two multiplies). Softmax terms
+    below 2^-126 are zero in the fp16/bf16 P operand anyway; sums of them are below l's ulp."""
+    return gl.inline_asm_elementwise(
+        asm="ex2.approx.ftz.f32 $0, $1;",
+        constraints="=f,f",
+        args=[x],
+        dtype=gl.float32,
+        is_pure=True,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -552,7 +567,16 @@ def decode_kernel(
     kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
     vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
     vc = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
-    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
+    # S's rows 0..7 (the query group, G <= 8; rows 8..15 of the MMA tile are q's zero padding):
+    # the softmax runs on these only (a relabeling of S's accumulator registers)
+    S8: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8]],
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[8, BN],
+    )
+    sc = gl.arange(0, BN, layout=gl.SliceLayout(0, S8))
     kx_ptr = K.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
     vx_ptr = V.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
     ks_ptr = KBS + hk * 8
@@ -561,8 +585,8 @@ def decode_kernel(
     srk = stride_kr // 8
     srv = stride_vr // 8
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S8))
+    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, S8))
     acc = gl.zeros([D, 8], gl.float32, layout=MMA)
 
     ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
@@ -682,6 +706,7 @@ def decode_kernel(
         else:
             kt = _k_operand(kx, ks, KOP, DEC_K)
             sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
+            sacc = gl.convert_layout(_rows0to7(sacc, BN), S8, assert_trivial=True)
             if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
                 sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
                     softcap * 1.4426950408889634
@@ -697,19 +722,19 @@ def decode_kernel(
             # (log2 units), so p stays <= 2^RESCALE (fp16) and acc/l are rescaled rarely; exact,
             # since the same (stale) max serves p, l and acc
             if gl.max(m_new - m_i, axis=0) > RESCALE:
-                alpha = gl.exp2(m_i - m_new)
+                alpha = _exp2(m_i - m_new)
                 l_i = l_i * alpha
                 m_i = m_new
-                acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
-            p = gl.exp2(sacc - m_i[:, None])
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
+            p = _exp2(sacc - m_i[:, None])
             l_i = l_i + gl.sum(p, axis=1)
-            p8 = _rows0to7(p.to(CDT), BN)
+            p8 = p.to(CDT)
             pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
             acc = mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 2m + r
-    l8 = gl.convert_layout(_first8(l_i), gl.SliceLayout(0, MMA))
-    m8 = gl.convert_layout(_first8(m_i), gl.SliceLayout(0, MMA))
+    l8 = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
+    m8 = gl.convert_layout(m_i, gl.SliceLayout(0, MMA))
     orow = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     dv = 16 * (orow % 8) + 2 * (orow // 16) + (orow // 8) % 2

@@ -359,7 +359,7 @@ _GLUON_FP4_DEC = (1, 1)
 # read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
 # B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results; L2 prefetch
 # of whole cache rows this many tiles ahead, 0 = off; K/V data tiles by TMA, probes only)
-_GLUON_FP4_OPTIONS = (True, 0, 0, False)
+_GLUON_FP4_OPTIONS = (True, 0, 0, True)
 # fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
 # softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
 # (``results/run8_h200/call9_fp8_diet.json``, B=64/8k, 3 splits, SDPA 0.492 ms): e4m3 run 7's

@@ -51,7 +51,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
             kw.pop("head_fast", True),
             kw.pop("ablate", 0),
             kw.pop("pf", 0),
-            kw.pop("tma", False),
+            kw.pop("tma", DEFAULTS[2][3]),
         )
         try:
             attention._GLUON_CONFIG["nvfp4"] = (stages, DEFAULTS[0][1])
@@ -91,32 +91,28 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
 def loads_main():
     """Session 6: how the FP4 tiles are fetched. ``pf``: each KV head's program prefetches its
     1/H share of a tile's whole cache rows into L2 (``prefetch.global.L2``) this many tiles
-    ahead of the ring, so a request's heads fetch contiguous runs; ``tma``: K/V data tiles by
-    TMA boxes (scales by cp.async). Full kernel and loads only (``ablate=1``)."""
+    ahead of the ring, so a request's heads fetch contiguous runs (call 1: slower at every
+    distance); ``tma``: K/V data tiles by TMA boxes (scales by cp.async). Full kernel and loads
+    only (``ablate=1``); the defaults are ``attention._GLUON_FP4_OPTIONS``."""
     rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
     rows = 64 * 8192 + 4096
+    tma = DEFAULTS[2][3]
     for dt in ("nvfp4", "fp4_mx_block16"):
         v4 = ba.make_pool(dt, rows)
-        pts = [("gluon_default", None, {}), ("triton", None, {"gluon": False})]
+        pts = [("gluon_default", None, {"tma": tma}), ("triton", None, {"gluon": False}),
+               ("tma_" + str(not tma), None, {"tma": not tma})]  # fmt: skip
         if dt == "nvfp4":
-            pts += [("loads_only", None, {"ablate": 1, "num_splits": 3})]
-            for pf in (2, 4, 8):
-                pts.append((f"pf{pf}", None, {"pf": pf, "num_splits": 3}))
-            pts.append(("pf4_loads_only", None, {"pf": 4, "ablate": 1, "num_splits": 3}))
-            pts.append(("tma", None, {"tma": True, "num_splits": 3}))
-            pts.append(("tma_loads_only", None, {"tma": True, "ablate": 1, "num_splits": 3}))
-            pts.append(("tma_pf4", None, {"tma": True, "pf": 4, "num_splits": 3}))
-            for st in (4, 6):
-                pts.append((f"tma_st{st}", None, {"tma": True, "stages": st, "num_splits": 3}))
-            pts.append(("pf4_sp4", None, {"pf": 4, "num_splits": 4}))
-        else:
-            pts += [("pf4", None, {"pf": 4}), ("tma", None, {"tma": True}),
-                    ("tma_pf4", None, {"tma": True, "pf": 4})]  # fmt: skip
+            pts += [
+                ("loads_only", None, {"ablate": 1, "num_splits": 3, "tma": tma}),
+                ("loads_only_tma_" + str(not tma), None, {"ablate": 1, "num_splits": 3, "tma": not tma}),
+                ("st4", None, {"tma": tma, "stages": 4, "num_splits": 3}),
+                ("sp4", None, {"tma": tma, "num_splits": 4}),
+            ]  # fmt: skip
         point(v4, 64, 8192, 16, pts)
         if dt == "nvfp4":
-            for b, ctx, page in ((64, 8192, 64), (16, 8192, 16), (1, 32768, 16), (128, 4096, 16)):
-                pts = [("gluon_default", None, {}), ("pf4", None, {"pf": 4}),
-                       ("tma", None, {"tma": True}), ("tma_pf4", None, {"tma": True, "pf": 4})]  # fmt: skip
+            for b, ctx, page in ((64, 8192, 64), (128, 4096, 16), (16, 8192, 16), (1, 32768, 16)):
+                pts = [("gluon_default", None, {"tma": tma}),
+                       ("tma_" + str(not tma), None, {"tma": not tma})]  # fmt: skip
                 point(v4, b, ctx, page, pts)
         del v4
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
