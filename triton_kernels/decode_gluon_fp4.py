@@ -350,8 +350,16 @@ def _load_kv(
 
 
 @gluon.jit
+def _expect(descs, stage, SUB: gl.constexpr, TMA: gl.constexpr):
+    """TMA: arm stage ``stage``'s mbarrier for its SUB tiles' K and V data boxes (2 KiB each)."""
+    if TMA:
+        mbarrier.expect(descs[2].index(stage), SUB * 2 * 16 * 64)
+
+
+@gluon.jit
 def _issue(
     bufs,
+    slot,
     stage,
     s,
     end,
@@ -365,82 +373,120 @@ def _issue(
     cs,
     GUARD: gl.constexpr,
     WINDOW: gl.constexpr,
-    descs=None,
-    TMA: gl.constexpr = False,
+    descs,
+    TMA: gl.constexpr,
 ):
-    """cp.async of one tile (K, V blocks; K, V scale rows) into ring stage ``stage``: rows
-    ``row0`` + the offsets of ``decode_gluon._tile_rows`` (clamped to the last token and to a
-    window's first), one commit group."""
+    """Copies of one 16-token tile into ring slot ``slot`` (of stage ``stage``): the scale rows
+    by cp.async at rows ``row0`` + the offsets of ``decode_gluon._tile_rows`` (clamped to the
+    last token and to a window's first: no scale row past ``seq_len`` or before the window is
+    read); the data rows likewise by cp.async, or (``TMA``) as two 16 x 64-byte TMA boxes from
+    ``row0``, which take the tile's rows past the end or before the window too: E2M1 codes are
+    all finite and those rows' p is 0. The caller commits the cp.async group."""
     kd, vd, ksm, vsm = bufs
     kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
     srk, srv, ssk, ssv = strides
     lim = end - 1 - s
     if GUARD:  # the prologue: an empty request (``end`` 0)
         lim = gl.maximum(lim, 0)
-    od = gl.minimum(rd, lim)
     os_ = gl.minimum(rs, lim)
     if WINDOW:
-        od = gl.maximum(od, lo - s)
         os_ = gl.maximum(os_, lo - s)
-    od = od[:, None]
     os_ = os_[:, None]
-    if TMA:  # probes: the tile's 16 data rows as two TMA boxes (rows past the end included)
+    if TMA:
         kdesc, vdesc, bars, col = descs
         bar = bars.index(stage)
-        mbarrier.expect(bar, 2 * 16 * 64)
-        tma.async_copy_global_to_shared(kdesc, [row0.to(gl.int32), col], bar, kd.index(stage))
-        tma.async_copy_global_to_shared(vdesc, [row0.to(gl.int32), col], bar, vd.index(stage))
+        tma.async_copy_global_to_shared(kdesc, [row0.to(gl.int32), col], bar, kd.index(slot))
+        tma.async_copy_global_to_shared(vdesc, [row0.to(gl.int32), col], bar, vd.index(slot))
     else:
+        od = gl.minimum(rd, lim)
+        if WINDOW:
+            od = gl.maximum(od, lo - s)
+        od = od[:, None]
         async_copy.async_copy_global_to_shared(
-            kd.index(stage), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
+            kd.index(slot), (kx_ptr + row0 * srk) + (od * srk + cd[None, :])
         )
         async_copy.async_copy_global_to_shared(
-            vd.index(stage), (vx_ptr + row0 * srv) + (od * srv + cd[None, :])
+            vd.index(slot), (vx_ptr + row0 * srv) + (od * srv + cd[None, :])
         )
     async_copy.async_copy_global_to_shared(
-        ksm.index(stage), (ks_ptr + row0 * ssk) + (os_ * ssk + cs[None, :])
+        ksm.index(slot), (ks_ptr + row0 * ssk) + (os_ * ssk + cs[None, :])
     )
     async_copy.async_copy_global_to_shared(
-        vsm.index(stage), (vs_ptr + row0 * ssv) + (os_ * ssv + cs[None, :])
+        vsm.index(slot), (vs_ptr + row0 * ssv) + (os_ * ssv + cs[None, :])
     )
-    async_copy.commit_group()
-
-
-_PF_ASM = gl.constexpr(
-    "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }"
-)
 
 
 @gluon.jit
-def _prefetch_rows(K, V, KBS, VBS, row0, stride_kr, stride_vr, stride_ksr, stride_vsr, hk, nh):
-    """L2 prefetch of this KV head's share of a 16-token tile's whole cache rows (all heads):
-    program ``hk`` of ``nh`` takes the ``hk``-th 1/nh of the tile's K and V bytes (up to 8
-    128-byte lines each) and of its scale rows (one line each), so the heads of a request
-    together fetch the tile's rows as contiguous runs instead of 64-byte pieces."""
-    PL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    ln = gl.arange(0, 32, layout=PL)
-    r0 = row0 - (row0 & 15)
-    kpart = (16 * stride_kr) // nh
-    vpart = (16 * stride_vr) // nh
-    kspart = (16 * stride_ksr) // nh
-    vspart = (16 * stride_vsr) // nh
-    lk = gl.minimum(ln, 7) * 128
-    lv = gl.minimum(gl.maximum(ln - 8, 0), 7) * 128
-    pk = K + (r0 * stride_kr + hk * kpart + gl.minimum(lk, kpart - 1))
-    pv = V + (r0 * stride_vr + hk * vpart + gl.minimum(lv, vpart - 1))
-    pks = KBS + (r0 * stride_ksr + hk * kspart)
-    pvs = VBS + (r0 * stride_vsr + hk * vspart)
-    ptr = gl.where(ln < 8, pk, gl.where(ln < 16, pv, gl.where(ln == 16, pks, pvs)))
-    on = ((ln < 8) & (ln * 128 < kpart)) | ((ln >= 8) & (ln < 16) & ((ln - 8) * 128 < vpart))
-    on = on | (ln == 16) | (ln == 17)
-    gl.inline_asm_elementwise(
-        asm=_PF_ASM,
-        constraints="=r,l,r",
-        args=[ptr, on.to(gl.int32)],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _smem_tile(
+    bufs, which: gl.constexpr, slot, L: gl.constexpr, SD: gl.constexpr, TMA: gl.constexpr
+):
+    """Blocks (int64) and scale bytes (int32) of ring slot ``slot`` of K (``which`` 0) or V (1)
+    in the register layout ``L`` (TMA's byte boxes read as int64 blocks: same swizzle)."""
+    x = bufs[which].index(slot)
+    if TMA:
+        x = x._reinterpret(gl.int64, [16, 8], SD)
+    return x.load(L), bufs[2 + which].index(slot).load(L).to(gl.int32)
+
+
+@gluon.jit
+def _checksum(kx, ks, vx, vs):
+    """Benchmarks only (``ABLATE=1``): a value that depends on every loaded word."""
+    t = gl.sum(gl.sum(kx ^ ks.to(gl.int64), 1), 0) + gl.sum(gl.sum(vx ^ vs.to(gl.int64), 1), 0)
+    return t.to(gl.float32)
+
+
+@gluon.jit
+def _scores(
+    q,
+    kx,
+    ks,
+    s,
+    sc,
+    sm,
+    MMA: gl.constexpr,
+    KOP: gl.constexpr,
+    S8: gl.constexpr,
+    DEC_K: gl.constexpr,
+    HAS_SOFTCAP: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+):
+    """Scores of the query group against the 16-token tile at ``s`` in log2 units, ``[8, 16]``
+    fp32 (S's rows 0..7), soft-capped if asked, -inf past the end and before the window."""
+    qk_scale, softcap, end, lo = sm
+    sacc = mma_v2(q, _k_operand(kx, ks, KOP, DEC_K), gl.zeros([16, 16], gl.float32, layout=MMA))
+    sacc = gl.convert_layout(_rows0to7(sacc, 16), S8, assert_trivial=True)
+    if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
+        sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
+            softcap * 1.4426950408889634
+        )
+    else:
+        sacc = sacc * (qk_scale * 1.4426950408889634)
+    valid = (s + sc) < end
+    if HAS_WINDOW:
+        valid = valid & ((s + sc) >= lo)
+    return gl.where(valid[None, :], sacc, float("-inf"))
+
+
+@gluon.jit
+def _rescale(m_i, l_i, acc, m_new, RESCALE: gl.constexpr, MMA: gl.constexpr):
+    """Lazy softmax rescale: the running max moves only when some row grew by more than
+    RESCALE (log2 units), so p stays <= 2^RESCALE (fp16) and acc and l are rescaled rarely;
+    exact, since the same (stale) max serves p, l and acc."""
+    if gl.max(m_new - m_i, axis=0) > RESCALE:
+        alpha = _exp2(m_i - m_new)
+        l_i = l_i * alpha
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _pv(
+    acc, vx, vs, p, VOP: gl.constexpr, POP: gl.constexpr, CDT: gl.constexpr, DEC_V: gl.constexpr
+):
+    """``acc += V^T P^T`` for one 16-token tile (P: ``[8, 16]`` fp32, S8's layout)."""
+    pt = gl.convert_layout(gl.permute(p.to(CDT), [1, 0]), POP, assert_trivial=True)
+    return mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
 
 
 @gluon.jit(do_not_specialize=["group"])  # (a group of 1 would become a constant)
@@ -485,10 +531,10 @@ def decode_kernel(
     RESCALE: gl.constexpr = 8.0,
     HEAD_FAST: gl.constexpr = False,
     ABLATE: gl.constexpr = 0,
-    PF: gl.constexpr = 0,
     KD=None,
     VD=None,
     TMA: gl.constexpr = False,
+    SUB: gl.constexpr = 1,
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
@@ -535,7 +581,10 @@ def decode_kernel(
     # tiles start at multiples of 16 (tokens before ``lo`` are masked): with page_size >= 16
     # a tile then lies in one page
     lo16 = lo // BN * BN
-    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), BN) * BN
+    # (a ring stage is SUB tiles: splits in whole stages)
+    gl.static_assert(SUB == 1 or STAGES > 0, "SUB 2 with the ring only")
+    TILE: gl.constexpr = BN * SUB
+    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), TILE) * TILE
     start = lo16 + split * chunk
     end = gl.minimum(start + chunk, seq)
     if MX:
@@ -591,9 +640,11 @@ def decode_kernel(
 
     ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
     strides = (srk, srv, stride_ksr, stride_vsr)
+    sm = (qk_scale, softcap, end, lo)
     if STAGES > 0:
-        # ring of STAGES tiles in shared memory filled by cp.async (PAGED only: one page id per
-        # tile, loaded one iteration before its tile is issued)
+        # ring of STAGES stages of SUB 16-token tiles in shared memory (PAGED only: one page id
+        # per tile, loaded one iteration before its tile is issued). TMA: the data rows by TMA
+        # boxes (one mbarrier per stage), the scale rows by cp.async; else all by cp.async
         SD: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         # copy layouts: K/V blocks as 16-byte pieces (2 per lane), scale rows as 4-byte pieces
@@ -601,6 +652,7 @@ def decode_kernel(
         CS: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
         )
+        NB: gl.constexpr = STAGES * SUB
         descs = None
         if TMA:
             # TMA's 64-byte swizzle is SD's (16-byte chunk c of row r at c ^ (r // 2) % 4)
@@ -608,10 +660,10 @@ def decode_kernel(
                 swizzle_byte_width=64, element_bitwidth=8, rank=2
             )
             bufs = (
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], TL),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 64], TL),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 64], TL),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 64], TL),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
             )
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for j in gl.static_range(STAGES):
@@ -620,24 +672,88 @@ def decode_kernel(
             descs = (KD, VD, bars, hk * 64)
         else:
             bufs = (
-                gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
-                gl.allocate_shared_memory(gl.int64, [STAGES, BN, 8], SD),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
-                gl.allocate_shared_memory(gl.uint8, [STAGES, BN, 8], SS),
+                gl.allocate_shared_memory(gl.int64, [NB, BN, 8], SD),
+                gl.allocate_shared_memory(gl.int64, [NB, BN, 8], SD),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
             )
         rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
         cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
         cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
         for j in gl.static_range(STAGES - 1):
-            sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
-            row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
-            _issue(
-                bufs, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs, True, HAS_WINDOW,
-                descs, TMA,
-            )  # fmt: skip
-        s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * BN, end - 1), 0)
+            _expect(descs, j, SUB, TMA)
+            for u in gl.static_range(SUB):
+                sj = gl.maximum(gl.minimum(start + (j * SUB + u) * BN, end - 1), 0)
+                row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
+                _issue(
+                    bufs, j * SUB + u, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs,
+                    True, HAS_WINDOW, descs, TMA,
+                )  # fmt: skip
+            async_copy.commit_group()
+        # the next stage's tiles and page ids (the second only with SUB 2)
+        s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * SUB * BN, end - 1), 0)
         row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask, True)
+        s_n2 = s_n
+        row_n2 = row_n
+        if SUB == 2:
+            s_n2 = gl.maximum(gl.minimum(start + ((STAGES - 1) * SUB + 1) * BN, end - 1), 0)
+            row_n2 = _tile_row0(s_n2, end, pt_row, page_shift, page_mask, True)
+        i = 0
+        for s in range(start, end, BN * SUB):
+            gl.thread_barrier()  # every lane is done with the stage refilled now
+            fill = (i + STAGES - 1) % STAGES
+            _expect(descs, fill, SUB, TMA)
+            _issue(
+                bufs, fill * SUB, fill, s_n, end, lo, row_n, ptrs, strides, rd, cd, rs, cs,
+                False, HAS_WINDOW, descs, TMA,
+            )  # fmt: skip
+            if SUB == 2:
+                _issue(
+                    bufs, fill * SUB + 1, fill, s_n2, end, lo, row_n2, ptrs, strides, rd, cd,
+                    rs, cs, False, HAS_WINDOW, descs, TMA,
+                )  # fmt: skip
+            async_copy.commit_group()
+            s_n = gl.minimum(s + STAGES * SUB * BN, end - 1)
+            row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
+            if SUB == 2:
+                s_n2 = gl.minimum(s + (STAGES * SUB + 1) * BN, end - 1)
+                row_n2 = _tile_row0(s_n2, end, pt_row, page_shift, page_mask)
+            async_copy.wait_group(STAGES - 1)
+            gl.thread_barrier()  # the tile, copied by every lane, is visible
+            st = i % STAGES
+            if TMA:
+                mbarrier.wait(bars.index(st), (i // STAGES) & 1)
+            i += 1
+            kx, ks = _smem_tile(bufs, 0, st * SUB, KL, SD, TMA)
+            if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
+                acc = acc + _checksum(kx, ks, vx, vs)
+                if SUB == 2:
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
+                    acc = acc + _checksum(kx, ks, vx, vs)
+            else:
+                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW)
+                if SUB == 2:
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
+                    sb = _scores(
+                        q, kx, ks, s + BN, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW
+                    )
+                    m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=1))
+                else:
+                    m_new = gl.maximum(m_i, gl.max(sa, axis=1))
+                m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
+                pa = _exp2(sa - m_i[:, None])
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
+                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V)
+                if SUB == 2:
+                    pb = _exp2(sb - m_i[:, None])
+                    l_i = l_i + gl.sum(pa + pb, axis=1)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
+                    acc = _pv(acc, vx, vs, pb, VOP, POP, CDT, DEC_V)
+                else:
+                    l_i = l_i + gl.sum(pa, axis=1)
     else:
         # (a split past the end, or an empty request, reads the last row, or row 0 of page 0)
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
@@ -645,51 +761,7 @@ def decode_kernel(
             ptrs, strides, s0, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED, True,
             HAS_WINDOW,
         )  # fmt: skip
-    i = 0
-    for s in range(start, end, BN):
-        if STAGES > 0:
-            gl.thread_barrier()  # every lane is done with the stage refilled now
-            _issue(
-                bufs,
-                (i + STAGES - 1) % STAGES,
-                s_n,
-                end,
-                lo,
-                row_n,
-                ptrs,
-                strides,
-                rd,
-                cd,
-                rs,
-                cs,
-                False,
-                HAS_WINDOW,
-                descs,
-                TMA,
-            )
-            s_n = gl.minimum(s + STAGES * BN, end - 1)
-            row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
-            if PF > 0:  # probes: whole cache rows into L2, PF tiles ahead of the ring
-                s_p = gl.minimum(s + (STAGES - 1 + PF) * BN, end - 1)
-                row_p = _tile_row0(s_p, end, pt_row, page_shift, page_mask)
-                nh = gl.num_programs(0 if HEAD_FAST else 1)
-                _prefetch_rows(
-                    K, V, KBS, VBS, row_p, stride_kr, stride_vr, stride_ksr, stride_vsr, hk, nh
-                )
-            async_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()  # the tile, copied by every lane, is visible
-            st = i % STAGES
-            if TMA:
-                mbarrier.wait(bars.index(st), (i // STAGES) & 1)
-                kx = bufs[0].index(st)._reinterpret(gl.int64, [BN, 8], SD).load(KL)
-                vx = bufs[1].index(st)._reinterpret(gl.int64, [BN, 8], SD).load(VL)
-            else:
-                kx = bufs[0].index(st).load(KL)
-                vx = bufs[1].index(st).load(VL)
-            ks = bufs[2].index(st).load(KL).to(gl.int32)
-            vs = bufs[3].index(st).load(VL).to(gl.int32)
-            i += 1
-        else:
+        for s in range(start, end, BN):
             kx, ks, vx, vs = kx_n, ks_n, vx_n, vs_n
             # the next tile (past ``end`` it re-reads this tile's last row; its result is unused)
             nxt = gl.minimum(s + BN, end - 1)
@@ -697,40 +769,15 @@ def decode_kernel(
                 ptrs, strides, nxt, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED,
                 False, HAS_WINDOW,
             )  # fmt: skip
-
-        if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
-            t = gl.sum(gl.sum(kx ^ ks.to(gl.int64), 1), 0) + gl.sum(
-                gl.sum(vx ^ vs.to(gl.int64), 1), 0
-            )
-            acc = acc + t.to(gl.float32)
-        else:
-            kt = _k_operand(kx, ks, KOP, DEC_K)
-            sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
-            sacc = gl.convert_layout(_rows0to7(sacc, BN), S8, assert_trivial=True)
-            if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
-                sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
-                    softcap * 1.4426950408889634
-                )
+            if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
+                acc = acc + _checksum(kx, ks, vx, vs)
             else:
-                sacc = sacc * (qk_scale * 1.4426950408889634)
-            valid = (s + sc) < end
-            if HAS_WINDOW:
-                valid = valid & ((s + sc) >= lo)
-            sacc = gl.where(valid[None, :], sacc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
-            # lazy rescale: the running max moves only when some row grew by more than RESCALE
-            # (log2 units), so p stays <= 2^RESCALE (fp16) and acc/l are rescaled rarely; exact,
-            # since the same (stale) max serves p, l and acc
-            if gl.max(m_new - m_i, axis=0) > RESCALE:
-                alpha = _exp2(m_i - m_new)
-                l_i = l_i * alpha
-                m_i = m_new
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(0, MMA))[None, :]
-            p = _exp2(sacc - m_i[:, None])
-            l_i = l_i + gl.sum(p, axis=1)
-            p8 = p.to(CDT)
-            pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
-            acc = mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
+                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW)
+                m_new = gl.maximum(m_i, gl.max(sa, axis=1))
+                m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
+                pa = _exp2(sa - m_i[:, None])
+                l_i = l_i + gl.sum(pa, axis=1)
+                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 2m + r
     l8 = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))

@@ -355,11 +355,11 @@ _GLUON_CONFIG = {
 # in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
 # kept for the record (both matched the Triton kernel there)
 _GLUON_FP4_DEC = (1, 1)
-# nvfp4 grid order and benchmark ablation: (KV head fastest in the grid, so a request's heads
-# read their shared token rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at
-# B=64/8k; ablate 1 = the loads without the math, for probes only, wrong results; L2 prefetch
-# of whole cache rows this many tiles ahead, 0 = off; K/V data tiles by TMA, probes only)
-_GLUON_FP4_OPTIONS = (True, 0, 0, True)
+# FP4 kernel options: (KV head fastest in the grid, so a request's heads read their shared token
+# rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at B=64/8k; ablate 1 = the
+# loads without the math, probes only, wrong results; the ring's data tiles by TMA on sm_90+;
+# 16-token tiles per ring stage, 1 or 2). Run 9 (``results/run9_h200``): see NOTES.md there.
+_GLUON_FP4_OPTIONS = (True, 0, True, 2)
 # fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
 # softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
 # (``results/run8_h200/call9_fp8_diet.json``, B=64/8k, 3 splits, SDPA 0.492 ms): e4m3 run 7's
@@ -1193,12 +1193,10 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
-        hf, ablate, pf, use_tma = _GLUON_FP4_OPTIONS
+        hf, ablate, use_tma, sub = _GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
-        extra = {}
-        if ring and pf:
-            extra["PF"] = pf
-        if ring and use_tma:
+        extra = {"SUB": sub if ring else 1}
+        if ring and use_tma and torch.cuda.get_device_capability(view.k.device) >= (9, 0):
             extra.update(TMA=True, KD=_tma_desc(view.k), VD=_tma_desc(view.v))
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)

@@ -50,8 +50,8 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
         attention._GLUON_FP4_OPTIONS = (
             kw.pop("head_fast", True),
             kw.pop("ablate", 0),
-            kw.pop("pf", 0),
-            kw.pop("tma", DEFAULTS[2][3]),
+            kw.pop("tma", DEFAULTS[2][2]),
+            kw.pop("sub", DEFAULTS[2][3]),
         )
         try:
             attention._GLUON_CONFIG["nvfp4"] = (stages, DEFAULTS[0][1])
@@ -89,30 +89,32 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
 
 
 def loads_main():
-    """Session 6: how the FP4 tiles are fetched. ``pf``: each KV head's program prefetches its
-    1/H share of a tile's whole cache rows into L2 (``prefetch.global.L2``) this many tiles
-    ahead of the ring, so a request's heads fetch contiguous runs (call 1: slower at every
-    distance); ``tma``: K/V data tiles by TMA boxes (scales by cp.async). Full kernel and loads
-    only (``ablate=1``); the defaults are ``attention._GLUON_FP4_OPTIONS``."""
+    """Session 6 (run 9): the ring's data tiles by TMA (``tma``) and 16-token tiles per ring
+    stage (``sub`` 1 or 2), against the previous defaults (cp.async, one tile a stage); full
+    kernel and loads only (``ablate=1``). Call 1 of run 9 also tried an L2 prefetch of whole
+    cache rows (slower at every distance; the option is gone, its numbers are in the notes)."""
     rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
     rows = 64 * 8192 + 4096
-    tma = DEFAULTS[2][3]
+    old = {"tma": False, "sub": 1}
     for dt in ("nvfp4", "fp4_mx_block16"):
         v4 = ba.make_pool(dt, rows)
-        pts = [("gluon_default", None, {"tma": tma}), ("triton", None, {"gluon": False}),
-               ("tma_" + str(not tma), None, {"tma": not tma})]  # fmt: skip
+        pts = [("gluon_default", None, {}), ("triton", None, {"gluon": False}),
+               ("cp_async_sub1", None, old), ("tma_sub1", None, {"tma": True, "sub": 1})]  # fmt: skip
         if dt == "nvfp4":
             pts += [
-                ("loads_only", None, {"ablate": 1, "num_splits": 3, "tma": tma}),
-                ("loads_only_tma_" + str(not tma), None, {"ablate": 1, "num_splits": 3, "tma": not tma}),
-                ("st4", None, {"tma": tma, "stages": 4, "num_splits": 3}),
-                ("sp4", None, {"tma": tma, "num_splits": 4}),
-            ]  # fmt: skip
+                ("loads_only", None, {"ablate": 1, "num_splits": 3}),
+                ("loads_only_cp_async_sub1", None, {"ablate": 1, "num_splits": 3, **old}),
+                ("st4", None, {"stages": 4, "num_splits": 3}),
+                ("st2", None, {"stages": 2, "num_splits": 3}),
+                ("sp4", None, {"num_splits": 4}),
+                ("sp2", None, {"num_splits": 2}),
+            ]
         point(v4, 64, 8192, 16, pts)
         if dt == "nvfp4":
-            for b, ctx, page in ((64, 8192, 64), (128, 4096, 16), (16, 8192, 16), (1, 32768, 16)):
-                pts = [("gluon_default", None, {"tma": tma}),
-                       ("tma_" + str(not tma), None, {"tma": not tma})]  # fmt: skip
+            for b, ctx, page in ((64, 8192, 64), (128, 4096, 16), (16, 8192, 16), (1, 32768, 16),
+                                 (1, 1024, 16), (4, 32768, 16)):  # fmt: skip
+                pts = [("gluon_default", None, {}), ("cp_async_sub1", None, old),
+                       ("tma_sub1", None, {"tma": True, "sub": 1})]  # fmt: skip
                 point(v4, b, ctx, page, pts)
         del v4
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
