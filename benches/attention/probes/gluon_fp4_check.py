@@ -120,9 +120,34 @@ def loads_main():
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
 
+def depth_main():
+    """Run 9, call 4: ring stages x tiles per stage at several batch shapes (TMA on)."""
+    rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+    rows = 64 * 8192 + 4096
+    combos = [("sub1_st3", 1, 3), ("sub1_st2", 1, 2), ("sub2_st2", 2, 2), ("sub2_st3", 2, 3)]
+    for dt in ("nvfp4", "fp4_mx_block16"):
+        v4 = ba.make_pool(dt, rows)
+        shapes = [(64, 8192, 16)]
+        if dt == "nvfp4":
+            shapes += [(128, 4096, 16), (16, 8192, 16), (4, 32768, 16), (1, 32768, 16), (1, 1024, 16),
+                       (16, 1024, 16)]  # fmt: skip
+        for b, ctx, page in shapes:
+            pts = [(t, None, {"sub": u, "stages": st}) for t, u, st in combos]
+            if b == 64 and dt == "nvfp4":
+                pts += [("sub2_st2_sp4", None, {"sub": 2, "stages": 2, "num_splits": 4}),
+                        ("sub2_st2_sp2", None, {"sub": 2, "stages": 2, "num_splits": 2}),
+                        ("sub1_st2_loads", None, {"sub": 1, "stages": 2, "ablate": 1}),
+                        ("sub2_st2_loads", None, {"sub": 2, "stages": 2, "ablate": 1})]  # fmt: skip
+            point(v4, b, ctx, page, pts)
+        del v4
+    rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+
+
 def main():
     if os.environ.get("LOADS"):
         return loads_main()
+    if os.environ.get("DEPTH"):
+        return depth_main()
     rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
     rows = 64 * 8192 + 4096
     v4 = ba.make_pool("nvfp4", rows)
