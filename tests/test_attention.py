@@ -711,10 +711,11 @@ def test_decode_gpu_gluon_nvfp4_odd_heads():
 @pytest.mark.parametrize("page", [1, 16])
 def test_decode_gpu_gluon_window_reads_nothing_before_it(dtype, page):
     """With a sliding window the Gluon kernels start tiles at multiples of 16, possibly before the
-    window; those rows must not be read: pages wholly before the window get page-table entries
-    far out of bounds (a read would fault) and the rows of the window's first 16-token block
-    before its start get NaN bytes (a read would reach the output as 0 * NaN). The answer is
-    unchanged, bit for bit."""
+    window: pages wholly before the window get page-table entries far out of bounds (a read
+    would fault) and the rows of the window's first 16-token block before its start get NaN
+    bytes (a read of them would reach the output as 0 * NaN). fp8 and block-scale rows there are
+    never read; the FP4 kernel's TMA boxes fetch that block's data rows whole (E2M1 codes are
+    all finite, their p is 0). The answer is unchanged, bit for bit."""
     lens, window = [700, 1000, 40, 2100], 300
     cache = Cache(dtype, lens, heads=8, d=128, page=page, device="cuda")
     for kw in ({"num_splits": 1}, {"num_splits": 5}):
@@ -1133,8 +1134,19 @@ def test_plan_decode_gluon_choice(monkeypatch):
     assert p5.num_splits == 15  # 12 per SM (1,584 slots): still one wave, the same 15
     c4 = Cache("nvfp4", [2100] * 4, heads=8, d=128, page=16)
     p4 = attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens)
-    # nvfp4: decode_gluon_fp4's 3-stage ring, 12 per SM in the split model as e5m2's
-    assert p4.gluon and (p4.prefetch, p4.num_stages, p4.num_splits) == (False, 3, 15)
+    # nvfp4: decode_gluon_fp4's 2-stage ring of two 16-token tiles a stage (block_n 32), 12 per
+    # SM in the split model as e5m2's
+    assert p4.gluon and (p4.prefetch, p4.num_stages, p4.num_splits) == (False, 2, 15)
+    assert p4.block_n == 32
+    # one tile a stage where only that fits the grid in one wave: 8 heads x 256 splits = 2,048
+    # programs, more than 14 x 132 (two tiles a stage), at most 16 x 132 (one)
+    c32 = Cache("nvfp4", [32768], heads=8, d=128, page=16)
+    p32 = attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens, max_seq_len=32768)
+    assert (p32.num_splits, p32.block_n) == (256, 16)
+    assert attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens, max_seq_len=32768,
+                                 num_splits=200).block_n == 32  # 1,600 programs: one wave
+    assert attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens,
+                                 num_splits=100).block_n == 32  # 3,200: two waves either way
     # and at any batch and context (faster than the Triton kernel at B=1..4 x 1k..32k)
     one = attention.plan_decode(c4.view, 32, c4.page_table[:1], c4.seq_lens[:1], max_seq_len=1024)
     assert one.gluon and not attention.plan_decode(c8.view, 32, pt[:1], sl[:1]).gluon

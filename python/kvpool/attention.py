@@ -348,8 +348,8 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 _GLUON_CONFIG = {
     "fp8_e4m3": (3, 12),
     "fp8_e5m2": (3, 12),
-    "nvfp4": (3, 12),
-    "fp4_mx_block16": (3, 12),
+    "nvfp4": (2, 12),
+    "fp4_mx_block16": (2, 12),
 }
 # nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
 # in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
@@ -578,13 +578,21 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
+    block_n = 16
+    if view.dtype in _FP4 and _GLUON_FP4_OPTIONS[3] == 2:
+        # two 16-token tiles per ring stage (140 registers: 14 programs per SM instead of 16),
+        # except where only one tile a stage keeps the grid in one wave (run 9, call 4: B=1/32k,
+        # 2,048 programs, 31.6 us vs 35.3; two tiles faster at every other measured shape)
+        sms = _num_sms(torch.device(dev))
+        programs = b * view.num_kv_heads * num_splits
+        block_n = 16 if 14 * sms < programs <= 16 * sms else 32
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
     return DecodePlan(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,
         num_splits=num_splits,
-        block_n=16,
+        block_n=block_n,
         num_warps=1,
         num_stages=max(stages, 1),
         use_dot=True,
@@ -1193,9 +1201,10 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
-        hf, ablate, use_tma, sub = _GLUON_FP4_OPTIONS
+        hf, ablate, use_tma, _ = _GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
-        extra = {"SUB": sub if ring else 1}
+        # plan.block_n: 16 or 32 tokens per ring stage (register prefetch: 16)
+        extra = {"SUB": plan.block_n // 16 if ring else 1}
         if ring and use_tma and torch.cuda.get_device_capability(view.k.device) >= (9, 0):
             extra.update(TMA=True, KD=_tma_desc(view.k), VD=_tma_desc(view.v))
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
