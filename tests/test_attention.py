@@ -707,6 +707,30 @@ def test_decode_gpu_gluon_nvfp4_odd_heads():
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["nvfp4", "fp4_mx_block16"])
+@pytest.mark.parametrize("tma, sub", [(False, 1), (False, 2), (True, 1), (True, 2)])
+def test_decode_gpu_gluon_fp4_ring_variants(dtype, tma, sub, monkeypatch):
+    """Every FP4 ring the launcher can pick (data by cp.async, as on sm_89, or by TMA; one or two
+    16-token tiles a stage) against the torch reference of the same decode call, with an empty
+    request (its output is 0), requests ending mid-tile and mid-stage, splits that get no tile,
+    and a window."""
+    monkeypatch.setattr(attention, "_GLUON_FP4_OPTIONS", (True, 0, tma, sub))
+    lens = [0, 1, 17, 100, 1000, 4093, 64, 33]
+    cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda", heavy=True)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    for kw, opts in [({}, {}), ({"num_splits": 7}, {}), ({"num_splits": 3}, {"window": 300})]:
+        plan = attention.plan_decode(cache.view, 32, cache.page_table, cache.seq_lens,
+                                     gluon=True, **kw)
+        assert plan.gluon and plan.block_n == 16 * sub
+        out = attention.decode(cache.view, q, cache.page_table, cache.seq_lens, plan=plan, **opts)
+        ref = attention.decode(cache.view, q, cache.page_table, cache.seq_lens, backend="torch",
+                               **opts)
+        assert out[0].abs().max().item() == 0.0, (kw, opts)
+        assert rel_err(out, ref.double().cpu()) < TOL[dtype], (kw, opts)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "nvfp4", "fp4_mx_block16"])
 @pytest.mark.parametrize("page", [1, 16])
 def test_decode_gpu_gluon_window_reads_nothing_before_it(dtype, page):
@@ -1136,8 +1160,7 @@ def test_plan_decode_gluon_choice(monkeypatch):
     p4 = attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens)
     # nvfp4: decode_gluon_fp4's 2-stage ring of two 16-token tiles a stage (block_n 32), 12 per
     # SM in the split model as e5m2's
-    assert p4.gluon and (p4.prefetch, p4.num_stages, p4.num_splits) == (False, 2, 15)
-    assert p4.block_n == 32
+    assert p4.gluon and (p4.prefetch, p4.num_stages, p4.block_n) == (False, 2, 32)
     # one tile a stage where only that fits the grid in one wave: 8 heads x 256 splits = 2,048
     # programs, more than 14 x 132 (two tiles a stage), at most 16 x 132 (one)
     c32 = Cache("nvfp4", [32768], heads=8, d=128, page=16)
@@ -1147,6 +1170,14 @@ def test_plan_decode_gluon_choice(monkeypatch):
                                  num_splits=200).block_n == 32  # 1,600 programs: one wave
     assert attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens,
                                  num_splits=100).block_n == 32  # 3,200: two waves either way
+    # the bounds: 14 x 132 = 1,848 programs (231 splits) two tiles, 2,112 (264) one, 2,120 two
+    for splits, bn in ((231, 32), (232, 16), (264, 16), (265, 32)):
+        assert attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens,
+                                     num_splits=splits).block_n == bn, splits
+    # with two tiles a stage the splits are planned in 32-token stages: 2,144 tokens of capacity
+    # in one wave, the cost is chunk + 256 with chunk = 32 * ceil(ceil(2144 / s) / 32): 160
+    # tokens from s = 14 on (16 splits at most): 14 splits
+    assert p4.num_splits == 14
     # and at any batch and context (faster than the Triton kernel at B=1..4 x 1k..32k)
     one = attention.plan_decode(c4.view, 32, c4.page_table[:1], c4.seq_lens[:1], max_seq_len=1024)
     assert one.gluon and not attention.plan_decode(c8.view, 32, pt[:1], sl[:1]).gluon

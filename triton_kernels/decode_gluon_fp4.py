@@ -34,23 +34,31 @@ low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
   into bytes 1 and 3 (and byte ``j'`` into 0 and 2) of one word, which then yields four
   registers by shifts.
 
-Loads: with ``STAGES`` (3 by default; page_size >= 16, so that a 16-aligned tile lies in one
-page: ``PAGED``) a ring of tiles in shared memory filled by ``cp.async`` (blocks as 16-byte
-pieces, scale rows as 4-byte pieces), one page id per tile loaded an iteration ahead; with
-``STAGES=0`` the next tile goes into registers (smaller pages: a page id per token). Tiles start
-at multiples of 16 (tokens before a sliding window's start are masked) and rows past the last
-token repeat it (masked scores), so no load is masked. The grid runs the KV head fastest
-(``HEAD_FAST``): a request's heads share token rows and 32-byte scale sectors. The softmax
-rescales ``acc`` only when a row's max grew by more than ``RESCALE`` (log2 units; exact: the same
-stale max serves p, l and acc, p <= 2^RESCALE in fp16). ``ABLATE=1`` (probes only) keeps the
-loads and drops the math.
+Loads: with ``STAGES`` (2 by default; page_size >= 16, so that a 16-aligned tile lies in one
+page: ``PAGED``) a ring in shared memory of stages of ``SUB`` 16-token tiles (1 or 2; two share
+one barrier, one copy issue and one max reduction per 32 tokens), one page id per tile loaded
+an iteration ahead. The data rows come by TMA boxes (``TMA``, sm_90+: 16 rows x 64 bytes of one
+head, 64-byte swizzle, one mbarrier per stage) or by ``cp.async`` (16-byte pieces), the scale
+rows by ``cp.async`` (4-byte pieces); with ``STAGES=0`` the next tile goes into registers
+(smaller pages: a page id per token). Tiles start at multiples of 16 (tokens before a sliding
+window's start are masked); scale rows (and cp.async data rows) past the last token repeat it,
+so no load is masked; stages past the end repeat the last tile, and every copy has landed
+before the program exits. The grid runs the KV head fastest (``HEAD_FAST``): a request's heads
+share token rows and 32-byte scale sectors. The softmax runs on S's 8 rows of the query group
+and rescales ``acc`` only when a row's max grew by more than ``RESCALE`` (log2 units; exact:
+the same stale max serves p, l and acc, p <= 2^RESCALE in fp16). ``ABLATE=1`` (probes only)
+keeps the loads and drops the math.
 
-Why (``benches/attention/results/run8_h200/NOTES.md``, H200, B=64/8k): 0.245 ms vs the Triton
-kernel's 0.421-0.425 (1.99x SDPA on contiguous bf16 instead of 1.15-1.17x), ~490 SASS
-instructions per 16-token tile; its loads alone take as long (0.246 ms): the token-major FP4
-layout (64 + 8 bytes of a head per 576-byte token row) is what bounds it.
+Why (``benches/attention/results/run9_h200/NOTES.md``, H200, B=64/8k): 0.216 ms vs the Triton
+kernel's 0.424 (2.28x SDPA on contiguous bf16 instead of 1.16x). Run 8's cp.async ring was bound
+by its loads (0.245 ms, loads alone as long); TMA boxes fetch the same token-major tiles in
+0.171-0.177 ms, and the ~430 SASS instructions per 16-token tile (decode ~250 of them) now
+bound the kernel.
 
-Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
+Masking as in ``decode.py`` (CASES.md KVB-16): rows past ``seq_len`` are never scored (p = 0);
+their scale rows are never read. A TMA box fetches its tile's 16 data rows whole, so data rows
+past ``seq_len`` (or before a window) in the tile's page are read: E2M1 codes are all finite,
+so p = 0 keeps them out of the output whatever they hold.
 """
 
 import triton  # noqa: F401  (Gluon needs Triton's runtime)
@@ -199,7 +207,8 @@ _V_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 32 + ["l", "l", "r", "r"]))
 def _exp2(x):
     """2^x in fp32 with subnormal results flushed to zero (``ex2.approx.ftz.f32``: one MUFU
     instruction; without ``.ftz`` ptxas adds a range check and two multiplies). Softmax terms
-    below 2^-126 are zero in the fp16/bf16 P operand anyway; sums of them are below l's ulp."""
+    below 2^-126 would be fp16 zeros in P (bf16, fp4_mx_block16's P, keeps subnormals to 2^-133:
+    dropping terms < 2^-126 of a sum whose largest term is >= 1 moves it less than its ulp)."""
     return gl.inline_asm_elementwise(
         asm="ex2.approx.ftz.f32 $0, $1;",
         constraints="=f,f",
@@ -351,7 +360,7 @@ def _load_kv(
 
 @gluon.jit
 def _expect(descs, stage, SUB: gl.constexpr, TMA: gl.constexpr):
-    """TMA: arm stage ``stage``'s mbarrier for its SUB tiles' K and V data boxes (2 KiB each)."""
+    """TMA: arm stage ``stage``'s mbarrier for its SUB tiles' K and V data boxes (1 KiB each)."""
     if TMA:
         mbarrier.expect(descs[2].index(stage), SUB * 2 * 16 * 64)
 
@@ -582,7 +591,7 @@ def decode_kernel(
     # a tile then lies in one page
     lo16 = lo // BN * BN
     # (a ring stage is SUB tiles: splits in whole stages)
-    gl.static_assert(SUB == 1 or STAGES > 0, "SUB 2 with the ring only")
+    gl.static_assert(SUB == 1 or (SUB == 2 and STAGES > 0), "SUB: 1, or 2 with the ring")
     TILE: gl.constexpr = BN * SUB
     chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), TILE) * TILE
     start = lo16 + split * chunk
@@ -612,10 +621,6 @@ def decode_kernel(
         other=0.0,
     ).to(CDT)
 
-    kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
-    kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
-    vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
-    vc = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
     # S's rows 0..7 (the query group, G <= 8; rows 8..15 of the MMA tile are q's zero padding):
     # the softmax runs on these only (a relabeling of S's accumulator registers)
     S8: gl.constexpr = gl.DistributedLinearLayout(
@@ -647,8 +652,7 @@ def decode_kernel(
         # boxes (one mbarrier per stage), the scale rows by cp.async; else all by cp.async
         SD: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        # copy layouts: K/V blocks as 16-byte pieces (2 per lane), scale rows as 4-byte pieces
-        CD: gl.constexpr = KL
+        # copy layouts: K/V blocks as 16-byte pieces (2 per lane, KL), scale rows as 4-byte pieces
         CS: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
         )
@@ -677,14 +681,17 @@ def decode_kernel(
                 gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
                 gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
             )
-        rd = gl.arange(0, BN, layout=gl.SliceLayout(1, CD))
-        cd = gl.arange(0, 8, layout=gl.SliceLayout(0, CD))
+        # tiles past the end (the ring's tail, splits without tiles) repeat the last 16-aligned
+        # tile, so TMA boxes stay in the request's last page (an empty request: row 0 of page 0)
+        last = gl.maximum(end - 1, 0) // BN * BN
+        rd = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
+        cd = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
         cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
         for j in gl.static_range(STAGES - 1):
             _expect(descs, j, SUB, TMA)
             for u in gl.static_range(SUB):
-                sj = gl.maximum(gl.minimum(start + (j * SUB + u) * BN, end - 1), 0)
+                sj = gl.minimum(start + (j * SUB + u) * BN, last)
                 row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
                 _issue(
                     bufs, j * SUB + u, j, sj, end, lo, row0, ptrs, strides, rd, cd, rs, cs,
@@ -692,16 +699,18 @@ def decode_kernel(
                 )  # fmt: skip
             async_copy.commit_group()
         # the next stage's tiles and page ids (the second only with SUB 2)
-        s_n = gl.maximum(gl.minimum(start + (STAGES - 1) * SUB * BN, end - 1), 0)
+        s_n = gl.minimum(start + (STAGES - 1) * SUB * BN, last)
         row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask, True)
         s_n2 = s_n
         row_n2 = row_n
         if SUB == 2:
-            s_n2 = gl.maximum(gl.minimum(start + ((STAGES - 1) * SUB + 1) * BN, end - 1), 0)
+            s_n2 = gl.minimum(start + ((STAGES - 1) * SUB + 1) * BN, last)
             row_n2 = _tile_row0(s_n2, end, pt_row, page_shift, page_mask, True)
         i = 0
         for s in range(start, end, BN * SUB):
             gl.thread_barrier()  # every lane is done with the stage refilled now
+            if TMA:  # (ordinary shared-memory reads of that stage, then async-proxy writes)
+                fence_async_shared()
             fill = (i + STAGES - 1) % STAGES
             _expect(descs, fill, SUB, TMA)
             _issue(
@@ -714,10 +723,10 @@ def decode_kernel(
                     rs, cs, False, HAS_WINDOW, descs, TMA,
                 )  # fmt: skip
             async_copy.commit_group()
-            s_n = gl.minimum(s + STAGES * SUB * BN, end - 1)
+            s_n = gl.minimum(s + STAGES * SUB * BN, last)
             row_n = _tile_row0(s_n, end, pt_row, page_shift, page_mask)
             if SUB == 2:
-                s_n2 = gl.minimum(s + (STAGES * SUB + 1) * BN, end - 1)
+                s_n2 = gl.minimum(s + (STAGES * SUB + 1) * BN, last)
                 row_n2 = _tile_row0(s_n2, end, pt_row, page_shift, page_mask)
             async_copy.wait_group(STAGES - 1)
             gl.thread_barrier()  # the tile, copied by every lane, is visible
@@ -754,8 +763,20 @@ def decode_kernel(
                     acc = _pv(acc, vx, vs, pb, VOP, POP, CDT, DEC_V)
                 else:
                     l_i = l_i + gl.sum(pa, axis=1)
+        # the STAGES - 1 stages issued past the last tile: no copy may land in shared memory
+        # after the program exits (another program on the SM may own those bytes then)
+        async_copy.wait_group(0)
+        if TMA:
+            for j in gl.static_range(STAGES - 1):
+                mbarrier.wait(bars.index((i + j) % STAGES), ((i + j) // STAGES) & 1)
+            for j in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(j))
     else:
         # (a split past the end, or an empty request, reads the last row, or row 0 of page 0)
+        kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
+        kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
+        vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
+        vc = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
         kx_n, ks_n, vx_n, vs_n = _load_kv(
             ptrs, strides, s0, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED, True,

@@ -337,10 +337,10 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # and key sections (``results/run7_h200/gluon/attention.json``, ``stdout.txt``): B=64/8k
 # 0.297-0.300 ms (1.66x SDPA), B=128/8k 0.581-0.584, B=16/8k 0.088-0.089.
 # dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
-# nvfp4 (``decode_gluon_fp4.py``): a 3-stage ring (123 registers, 6.9 KiB of shared memory),
-# split model of 12 programs per SM: run 8 (``results/run8_h200/NOTES.md``), B=64/8k with the
-# grid's KV head fastest: 3 splits 0.245 ms, 4: 0.256, 6: 0.247; rings of 4 and 6 stages and
-# register prefetch were no faster (0.252-0.268 at 3 splits).
+# nvfp4 (``decode_gluon_fp4.py``): a 2-stage ring of two 16-token tiles a stage, data by TMA
+# (140 registers, 9 KiB of shared memory), split model of 12 programs per SM: run 9
+# (``results/run9_h200/NOTES.md``), B=64/8k: 3 splits 0.216 ms, 4: 0.222, 2: 0.226; 3 stages
+# 0.223, one tile a stage 0.227-0.232, run 8's cp.async ring of 3 single tiles 0.240-0.245.
 # Run 8 (call 9): with the head-fast grid 3 splits beat 4 at B=64/8k for both fp8 dtypes, so
 # e4m3's model counts 12 programs per SM as well (3 splits there); call 12: e5m2 with the ring
 # at 3 splits 0.274 ms vs register prefetch 0.278 (1.80x vs 1.78x SDPA), so it takes the ring.
@@ -357,8 +357,9 @@ _GLUON_CONFIG = {
 _GLUON_FP4_DEC = (1, 1)
 # FP4 kernel options: (KV head fastest in the grid, so a request's heads read their shared token
 # rows and scale sectors side by side: run 8, 0.273 -> 0.251 ms at B=64/8k; ablate 1 = the
-# loads without the math, probes only, wrong results; the ring's data tiles by TMA on sm_90+;
-# 16-token tiles per ring stage, 1 or 2). Run 9 (``results/run9_h200``): see NOTES.md there.
+# loads without the math, probes only, wrong results; the ring's data tiles by TMA on sm_90+
+# (run 9: B=64/8k 0.231 vs 0.240 ms, B=128/4k 0.233 vs 0.278; loads alone 0.177 vs 0.244);
+# 16-token tiles per ring stage allowed, 1 or 2: ``_gluon_plan`` picks).
 _GLUON_FP4_OPTIONS = (True, 0, True, 2)
 # fp8 kernel options per dtype: (one page id per 16-aligned tile where page_size >= 16; lazy
 # softmax rescale threshold in log2 units, < 0: every tile; KV-head-fast grid). Run 8 call 9
@@ -533,10 +534,11 @@ class DecodePlan:
     gluon : bool
         Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8,
         ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 128, 16-token tiles into
-        tensor-core fragments without layout conversions, one warp per program; a 3-stage
-        cp.async ring (FP4: with page_size >= 16 and 16-byte aligned scale rows; else register
-        prefetch, ``prefetch``) instead of the Triton one; the other kernel options are
-        unused.
+        tensor-core fragments without layout conversions, one warp per program; a ring of
+        ``num_stages`` stages in shared memory (fp8: 3 cp.async stages; FP4: 2 stages of
+        ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
+        scale rows; else register prefetch, ``prefetch``) instead of the Triton one; the other
+        kernel options are unused.
     """
 
     page_table: torch.Tensor
@@ -572,20 +574,29 @@ def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
 
 
 def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> DecodePlan:
-    """:func:`plan_decode` for the Gluon kernel (16-token tiles, one warp per program)."""
+    """:func:`plan_decode` for the Gluon kernel (one warp per program).
+
+    ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles.
+    """
     b, dev = page_table.shape[0], view.k.device
     stages, per_sm = _GLUON_CONFIG[view.dtype]
+    given = num_splits
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
     block_n = 16
     if view.dtype in _FP4 and _GLUON_FP4_OPTIONS[3] == 2:
-        # two 16-token tiles per ring stage (140 registers: 14 programs per SM instead of 16),
-        # except where only one tile a stage keeps the grid in one wave (run 9, call 4: B=1/32k,
-        # 2,048 programs, 31.6 us vs 35.3; two tiles faster at every other measured shape)
+        # two 16-token tiles per ring stage (nvfp4 140 registers: 14 programs per SM instead of
+        # 16), except where only one tile a stage keeps the grid in one wave (run 9, call 4:
+        # B=1/32k, 2,048 programs, 31.6 us vs 35.3; two tiles faster at every other measured
+        # shape); splits then in whole 32-token stages
         sms = _num_sms(torch.device(dev))
         programs = b * view.num_kv_heads * num_splits
         block_n = 16 if 14 * sms < programs <= 16 * sms else 32
+        if block_n == 32 and given is None:
+            num_splits = default_splits(
+                b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
+            )
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
     return DecodePlan(
         page_table=page_table,
@@ -1204,8 +1215,12 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         hf, ablate, use_tma, _ = _GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
         # plan.block_n: 16 or 32 tokens per ring stage (register prefetch: 16)
+        if plan.block_n not in (16, 32):
+            raise ValueError(
+                f"`plan.block_n` = {plan.block_n}: the FP4 Gluon kernel takes 16 or 32"
+            )
         extra = {"SUB": plan.block_n // 16 if ring else 1}
-        if ring and use_tma and torch.cuda.get_device_capability(view.k.device) >= (9, 0):
+        if ring and use_tma and _has_tma(view.k.device):
             extra.update(TMA=True, KD=_tma_desc(view.k), VD=_tma_desc(view.v))
         grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
         mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)
@@ -1231,8 +1246,18 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     )  # fmt: skip
 
 
+@functools.cache
+def _tma_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether CUDA ``device`` has the Tensor Memory Accelerator (compute capability 9.0+)."""
+    return _tma_capable(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def _tma_desc(t: torch.Tensor):
-    """TMA descriptor of an FP4 data buffer (probes).
+    """TMA descriptor of an FP4 data buffer for the Gluon decode kernel's ring.
 
     ``t`` is ``[R, H, 64]`` uint8, described as ``[R, H * 64]`` with 16 x 64 boxes and the
     64-byte swizzle.
