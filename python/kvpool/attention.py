@@ -688,8 +688,9 @@ def plan_decode(
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
         0.266-0.272 ms (1.81x), e5m2 0.274 ms (1.80x, ring); nvfp4 B=64/8k 0.243-0.245 ms vs
-        0.421-0.425 (1.96-2.01x SDPA instead of 1.15x). True where it cannot run raises
-        ValueError naming why.
+        0.421-0.425 (1.96-2.01x SDPA instead of 1.15x). Run 9 (``results/run9_h200``, TMA
+        tiles, two tiles a ring stage): nvfp4 0.216-0.217 ms (2.24-2.28x), fp4_mx_block16
+        0.270 (1.80x). True where it cannot run raises ValueError naming why.
 
     Returns
     -------
