@@ -144,6 +144,66 @@ def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
 
 
 @gluon.jit
+def _program(SEQ, window, num_splits, HEAD_FAST: gl.constexpr, HAS_WINDOW: gl.constexpr,
+             TILE: gl.constexpr):  # fmt: skip
+    """This program's request ``b``, KV head ``hk`` and split, the window's first token ``lo``
+    (0 without one) and its split's tokens ``[start, end)``. Tiles start at multiples of 16
+    (tokens before ``lo`` are masked): with page_size >= 16 a tile then lies in one page. A split
+    is a whole number of ``TILE``-token steps. ``HEAD_FAST``: grid (H_kv, B, splits), a
+    request's KV heads run side by side; else (B, H_kv, splits)."""
+    if HEAD_FAST:
+        b = gl.program_id(1)
+        hk = gl.program_id(0)
+    else:
+        b = gl.program_id(0)
+        hk = gl.program_id(1)
+    split = gl.program_id(2)
+    seq = gl.load(SEQ + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = gl.maximum(seq - window, 0)
+    lo16 = lo // 16 * 16
+    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), TILE) * TILE
+    start = lo16 + split * chunk
+    end = gl.minimum(start + chunk, seq)
+    return b, hk, split, lo, start, end
+
+
+@gluon.jit
+def _fold_sinks(acc, l8, m8, SINKS, heads, hmask):
+    """Attention sinks (one logit per query head, natural-log units) folded into the final
+    ``acc`` ``[D, 8 heads]`` and its row sums ``l8`` (``m8``: the running max, log2 units)."""
+    sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
+    m_s = gl.maximum(m8, sink)
+    l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
+    acc = acc * gl.exp2(m8 - m_s)[None, :]
+    return acc, l8
+
+
+@gluon.jit
+def _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh):
+    """The output rows of a one-split program: ``o`` ``[D, 8 heads]`` fp32 (value dims in the
+    kernel's order, stored at ``dv``), heads past the group masked."""
+    gl.store(
+        OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
+        o.to(OUT.dtype.element_ty),
+        mask=hmask[None, :],
+    )
+
+
+@gluon.jit
+def _store_partial(PO, PL, o, l8, m8, b, heads, hmask, dv, split, num_splits, G: gl.constexpr,
+                   HEAD_FAST: gl.constexpr):  # fmt: skip
+    """A split's normalized partial output ``o`` and its log2-sum-exp (from the row sums ``l8``
+    and max ``m8``; -inf for a split without tokens) for ``decode.merge_kernel``."""
+    l_safe = gl.where(l8 > 0, l8, 1.0)
+    lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
+    row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
+    gl.store(PO + row[None, :].to(gl.int64) * o.shape[0] + dv[:, None], o, mask=hmask[None, :])
+    gl.store(PL + row, lse, mask=hmask)
+
+
+@gluon.jit
 def _tile_row0(s, end, pt_row, page_shift, page_mask, GUARD: gl.constexpr = False):
     """First cache row (int64) of the 16-aligned tile at token ``s`` (page_size >= 16: the tile
     lies in one page). ``GUARD`` (prologue): page 0 for an empty request (``end`` 0)."""
@@ -306,24 +366,8 @@ def decode_kernel(
         shape=[16, 32],
     )
 
-    if HEAD_FAST:  # grid (H_kv, B, splits): a request's KV heads run side by side
-        b = gl.program_id(1)
-        hk = gl.program_id(0)
-    else:
-        b = gl.program_id(0)
-        hk = gl.program_id(1)
-    split = gl.program_id(2)
     page_mask = (1 << page_shift) - 1
-    seq = gl.load(SEQ + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = gl.maximum(seq - window, 0)
-    # tiles start at multiples of 16 (tokens before ``lo`` are masked): with page_size >= 16
-    # (``PAGED``) a tile then lies in one page
-    lo16 = lo // BN * BN
-    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), BN) * BN
-    start = lo16 + split * chunk
-    end = gl.minimum(start + chunk, seq)
+    b, hk, split, lo, start, end = _program(SEQ, window, num_splits, HEAD_FAST, HAS_WINDOW, BN)
     qk_scale = sm_scale * gl.load(KSC)
 
     # q (A operand, logical head dims): rows >= G are zero; bounded by the runtime ``group``
@@ -460,21 +504,10 @@ def decode_kernel(
     heads = hk * G + ocol
     if FINAL:
         if HAS_SINKS:
-            sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
-            m_s = gl.maximum(m8, sink)
-            l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
-            acc = acc * gl.exp2(m8 - m_s)[None, :]
+            acc, l8 = _fold_sinks(acc, l8, m8, SINKS, heads, hmask)
             l_safe = gl.where(l8 > 0, l8, 1.0)
-        vf = gl.load(VSC)
-        o = acc * (vf / l_safe)[None, :]
-        gl.store(
-            OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
-            o.to(OUT.dtype.element_ty),
-            mask=hmask[None, :],
-        )
+        o = acc * (gl.load(VSC) / l_safe)[None, :]
+        _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh)
     else:
         o = acc / l_safe[None, :]
-        lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
-        row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
-        gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])
-        gl.store(PL + row, lse, mask=hmask)
+        _store_partial(PO, PL, o, l8, m8, b, heads, hmask, dv, split, num_splits, G, HEAD_FAST)

@@ -67,7 +67,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .decode_gluon import _addr, _rows0to7, _tile_row0, _tile_rows
+from .decode_gluon import (
+    _addr,
+    _fold_sinks,
+    _program,
+    _rows0to7,
+    _store_out,
+    _store_partial,
+    _tile_row0,
+    _tile_rows,
+)
 
 # --- inline PTX, built once at import ------------------------------------------------------
 
@@ -575,27 +584,12 @@ def decode_kernel(
     VMUL: gl.constexpr = 16384.0 if DEC_V == 0 else (64.0 if DEC_V == 1 else 1.0)
     PMUL: gl.constexpr = 1.0 if MX else VMUL / 64.0
 
-    if HEAD_FAST:  # grid (H_kv, B, splits): a request's KV heads run side by side
-        b = gl.program_id(1)
-        hk = gl.program_id(0)
-    else:
-        b = gl.program_id(0)
-        hk = gl.program_id(1)
-    split = gl.program_id(2)
-    page_mask = (1 << page_shift) - 1
-    seq = gl.load(SEQ + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = gl.maximum(seq - window, 0)
-    # tiles start at multiples of 16 (tokens before ``lo`` are masked): with page_size >= 16
-    # a tile then lies in one page
-    lo16 = lo // BN * BN
     # (a ring stage is SUB tiles: splits in whole stages)
     gl.static_assert(SUB == 1 or (SUB == 2 and STAGES > 0), "SUB: 1, or 2 with the ring")
-    TILE: gl.constexpr = BN * SUB
-    chunk = gl.cdiv(gl.cdiv(seq - lo16, num_splits), TILE) * TILE
-    start = lo16 + split * chunk
-    end = gl.minimum(start + chunk, seq)
+    page_mask = (1 << page_shift) - 1
+    b, hk, split, lo, start, end = _program(
+        SEQ, window, num_splits, HEAD_FAST, HAS_WINDOW, BN * SUB
+    )
     if MX:
         qk_scale = sm_scale
     else:
@@ -811,25 +805,15 @@ def decode_kernel(
     heads = hk * G + ocol
     if FINAL:
         if HAS_SINKS:
-            sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
-            m_s = gl.maximum(m8, sink)
-            l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
-            acc = acc * gl.exp2(m8 - m_s)[None, :]
+            acc, l8 = _fold_sinks(acc, l8, m8, SINKS, heads, hmask)
             l_safe = gl.where(l8 > 0, l8, 1.0)
         if MX:
             vf = 1.0
         else:
             vf = gl.load(VSC) * VMUL
         o = acc * (vf / l_safe)[None, :]
-        gl.store(
-            OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
-            o.to(OUT.dtype.element_ty),
-            mask=hmask[None, :],
-        )
+        _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh)
     else:
         # partial outputs in the units of the merge (decode.merge_kernel: E2M1 / 64)
         o = acc * (PMUL / l_safe)[None, :]
-        lse = gl.where(l8 > 0, m8 + gl.log2(l_safe), float("-inf"))
-        row = (b * (G * gl.num_programs(0 if HEAD_FAST else 1)) + heads) * num_splits + split
-        gl.store(PO + row[None, :].to(gl.int64) * D + dv[:, None], o, mask=hmask[None, :])
-        gl.store(PL + row, lse, mask=hmask)
+        _store_partial(PO, PL, o, l8, m8, b, heads, hmask, dv, split, num_splits, G, HEAD_FAST)
