@@ -170,6 +170,24 @@ def _program(SEQ, window, num_splits, HEAD_FAST: gl.constexpr, HAS_WINDOW: gl.co
 
 
 @gluon.jit
+def _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr):  # fmt: skip
+    """Raw scores ``[rows, tokens]`` of the tile at token ``s`` (columns ``s + sc``) scaled to
+    log2 units, soft-capped if asked (Gemma 2: ``c * tanh(x / c)``), -inf past ``end`` and
+    before a window's first token ``lo``."""
+    if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
+        sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
+            softcap * 1.4426950408889634
+        )
+    else:
+        sacc = sacc * (qk_scale * 1.4426950408889634)
+    valid = (s + sc) < end
+    if HAS_WINDOW:
+        valid = valid & ((s + sc) >= lo)
+    return gl.where(valid[None, :], sacc, float("-inf"))
+
+
+@gluon.jit
 def _fold_sinks(acc, l8, m8, SINKS, heads, hmask):
     """Attention sinks (one logit per query head, natural-log units) folded into the final
     ``acc`` ``[D, 8 heads]`` and its row sums ``l8`` (``m8``: the running max, log2 units)."""
@@ -458,16 +476,7 @@ def decode_kernel(
 
         kt = _k_operand(kw, KOP, E5M2)
         sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
-        if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
-            sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
-                softcap * 1.4426950408889634
-            )
-        else:
-            sacc = sacc * (qk_scale * 1.4426950408889634)
-        valid = (s + sc) < end
-        if HAS_WINDOW:
-            valid = valid & ((s + sc) >= lo)
-        sacc = gl.where(valid[None, :], sacc, float("-inf"))
+        sacc = _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP, HAS_WINDOW)
         m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
         if RESCALE >= 0:
             # lazy rescale: the running max moves only when some row grew by more than

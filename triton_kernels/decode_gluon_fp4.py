@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .decode_gluon import (
     _addr,
     _fold_sinks,
+    _log2_scores,
     _program,
     _rows0to7,
     _store_out,
@@ -473,16 +474,7 @@ def _scores(
     qk_scale, softcap, end, lo = sm
     sacc = mma_v2(q, _k_operand(kx, ks, KOP, DEC_K), gl.zeros([16, 16], gl.float32, layout=MMA))
     sacc = gl.convert_layout(_rows0to7(sacc, 16), S8, assert_trivial=True)
-    if HAS_SOFTCAP:  # c * tanh(x / c), in log2 units; tanh(x) = 1 - 2 / (exp(2x) + 1)
-        sacc = (1.0 - 2.0 / (gl.exp(2.0 * (sacc * (qk_scale / softcap))) + 1.0)) * (
-            softcap * 1.4426950408889634
-        )
-    else:
-        sacc = sacc * (qk_scale * 1.4426950408889634)
-    valid = (s + sc) < end
-    if HAS_WINDOW:
-        valid = valid & ((s + sc) >= lo)
-    return gl.where(valid[None, :], sacc, float("-inf"))
+    return _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP, HAS_WINDOW)
 
 
 @gluon.jit
