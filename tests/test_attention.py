@@ -583,6 +583,62 @@ def test_decode_interpret_default_plan_and_group_not_pow2():
     assert rel_err(out, ref) < TOL["fp16"]
 
 
+def _merge_reference(po, pl, sinks, vf):
+    """Split merge in float64: softmax over the splits' log2-sum-exp (and the sink), weights
+    applied to the normalized partial outputs, times the V factor."""
+    lse = pl.double() * math.log(2.0)  # natural-log units
+    if sinks is not None:
+        lse = torch.cat([lse, sinks.double()[None, :, None].expand(lse.shape[0], -1, 1)], 2)
+    w = torch.softmax(lse, 2)[..., : po.shape[2]]
+    w = torch.nan_to_num(w)  # every split empty, no sink: output 0
+    return (w[..., None] * po.double()).sum(2) * vf
+
+
+@interpret
+@pytest.mark.parametrize("splits", [1, 3, 256, 300])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_merge_interpret(splits, wide, sinks):
+    """The split merge alone against a float64 softmax: steps of <= 256 splits (300 takes two,
+    the second mostly masked), empty splits (lse -inf, partial 0) mixed in, a request whose
+    splits are all empty, 32-column blocks or whole rows (``wide``), sinks, the V factor."""
+    from kvpool.triton_kernels.decode import merge_kernel
+
+    gen = torch.Generator().manual_seed(splits)
+    b, hq, dv = 2, 3, 64
+    po = torch.randn(b, hq, splits, dv, generator=gen)
+    pl = torch.randn(b, hq, splits, generator=gen) * 8.0
+    empty = torch.rand(b, hq, splits, generator=gen) < 0.3
+    empty[1, 0] = True  # one (request, head) with no token in any split
+    pl[empty] = float("-inf")
+    po[empty.unsqueeze(-1).expand_as(po)] = 0.0
+    sk = torch.linspace(-2.0, 3.0, hq) if sinks else None
+    vsc = torch.tensor([0.5])
+    out = torch.empty(b, hq, dv, dtype=torch.bfloat16)
+    sp, block_dv, _ = attention._merge_tiles(b * hq, splits, dv)
+    if wide:
+        block_dv = dv
+    merge_kernel[(b, hq, dv // block_dv)](
+        po, pl, sk if sinks else out, vsc, out, out.stride(0), out.stride(1), hq, splits,
+        DV=dv, BLOCK_DV=block_dv, SP=sp, HAS_SCALE=True, FP4_MUL=2.0, HAS_SINKS=sinks,
+    )  # fmt: skip
+    ref = _merge_reference(po, pl, sk, 1.0)
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    if not sinks:
+        assert (out[1, 0] == 0).all()
+
+
+def test_merge_tiles():
+    """Merge tiling: <= 256 splits a step, 32-column blocks below 4,096 rows, warps by size."""
+    assert attention._merge_tiles(32, 256, 128) == (256, 32, 4)  # B=1, 32 heads: 128 programs
+    assert attention._merge_tiles(32, 1024, 128) == (256, 32, 4)  # four steps
+    assert attention._merge_tiles(32, 3, 128) == (16, 32, 1)
+    assert attention._merge_tiles(2048, 4, 128) == (16, 32, 1)
+    assert attention._merge_tiles(4096, 4, 128) == (16, 128, 2)
+    assert attention._merge_tiles(4096, 64, 16) == (64, 16, 1)
+
+
 @interpret
 @pytest.mark.parametrize("dtype", WORDS)
 @pytest.mark.parametrize("what", ["decode", "extend"])

@@ -10,7 +10,8 @@ no graph: it allocates), and the device copy bandwidth (bytes read + written / t
 Cache contents are random valid codes (no NaN/Inf), not zeros. Results are appended to
 ``<out>/attention.json`` after every point, so a run cut short keeps what it measured.
 
-    python benches/attention/bench_attention.py --out DIR [--sections copy,key,variants,grid,extend]
+    python benches/attention/bench_attention.py --out DIR \\
+        [--sections copy,key,variants,small,grid,extend]
 """
 
 from __future__ import annotations
@@ -220,6 +221,61 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
         "ablate": plan.ablate,
         "gluon": plan.gluon,
         "variant_kw": plan_kw,
+    }
+    save(rec)
+    return rec
+
+
+def bench_small_parts(view, b, ctx, page, reps):
+    """Where a small batch's decode time goes, all through the same harness (graph, L2 flush):
+    the default plan with the merge launched as a programmatic dependent (PDL) and as a plain
+    launch, the split kernel alone (merge left out), the merge alone, and a bare read of the
+    same KV bytes (``torch.sum`` over a contiguous buffer) and a copy of them."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(b * 7 + ctx)
+    pv = with_page(view, page)
+    pt = page_table(b, ctx, page, view.k.shape[0], gen)
+    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+    plan = attention.plan_decode(pv, HQ, pt, sl, max_seq_len=ctx)
+    out = torch.empty(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+    kvb = b * ctx * bytes_per_token(view.dtype)
+    _, _, has_scale, fp4_mul = attention._KERNEL_FORMAT[view.dtype]
+    _, _, _, vsc = attention._scale_args(pv)
+    parts = {}
+
+    def full():
+        attention.decode(pv, q, plan=plan, out=out)
+
+    attention._MERGE_PDL = True
+    parts["full_pdl"] = time_ms(full, reps)[0]
+    attention._MERGE_PDL = False
+    parts["full_plain"] = time_ms(full, reps)[0]
+    attention._MERGE_PDL = True
+    if plan.num_splits > 1:
+        split_only = dataclasses.replace(plan, ablate=4)
+        parts["split_kernel"] = time_ms(
+            lambda: attention.decode(pv, q, plan=split_only, out=out), reps
+        )[0]
+        parts["merge"] = time_ms(
+            lambda: attention._merge(plan, out, None, vsc, has_scale, fp4_mul), reps
+        )[0]
+    x = torch.ones(kvb // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    parts["read_same_bytes"] = time_ms(x.sum, reps)[0]
+    parts["copy_same_bytes"] = time_ms(lambda: y.copy_(x), reps)[0]
+    rec = {
+        "kind": "decode_parts",
+        "dtype": view.dtype,
+        "page": page,
+        "B": b,
+        "ctx": ctx,
+        "kv_bytes": kvb,
+        "splits": plan.num_splits,
+        "block_n": plan.block_n,
+        "gluon": plan.gluon,
+        "ms": parts,
     }
     save(rec)
     return rec
@@ -530,6 +586,23 @@ def main():
                     log(f"{dtype:15s} B={bc[0]} ctx={bc[1]} variant {kw}: {fmt(r)}")
             del view
             torch.cuda.empty_cache()
+        log(f"[{time.time() - t0:.0f}s]")
+
+    if "small" in sections:
+        for b, ctx in ((1, 32768), (1, 8192), (4, 32768)):
+            sd = guarded(bench_sdpa, b, ctx, reps)
+            log(f"sdpa B={b} ctx={ctx}: {fmt(sd)}")
+            for dtype in dtypes:
+                view = make_pool(dtype, b * ctx + 64)
+                r = guarded(bench_small_parts, view, b, ctx, 16, reps)
+                if r:
+                    log(
+                        f"parts {dtype:15s} B={b} ctx={ctx} splits={r['splits']}: "
+                        + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["ms"].items())
+                        + " us"
+                    )
+                del view
+                torch.cuda.empty_cache()
         log(f"[{time.time() - t0:.0f}s]")
 
     if "extend" in sections:

@@ -199,9 +199,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Most KV splits per request a decode plan takes: the split merge combines a head's partial
-# outputs in one program (``SP`` rows of ``Dv`` fp32 values); the planner never picks more than
-# 256, and 384 splits (512 merge rows) still ran on the H200 (run 7, call 6: 70 us at B=1/32k).
+# Most KV splits per request a decode plan takes (an explicit ``num_splits``; the planner never
+# picks more than 256). The split merge walks them in steps of at most 256.
 MAX_SPLITS = 1024
 
 
@@ -1078,7 +1077,7 @@ def decode(
             f"{(bsz, hq, plan.num_splits, view.v_head_dim)} on {dev} (plan made for another view?)"
         )
 
-    from kvpool.triton_kernels.decode import decode_kernel, merge_kernel
+    from kvpool.triton_kernels.decode import decode_kernel
 
     fmt, _, has_scale, fp4_mul = _KERNEL_FORMAT[view.dtype]
     cdt = _compute_dtype(view.dtype)
@@ -1142,24 +1141,61 @@ def decode(
             **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
         )
     if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
-        merge_kernel[(bsz, hq)](
-            plan.part_out,
-            plan.part_lse,
-            sinks if sinks is not None else dummy,
-            vsc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            hq,
-            s,
-            DV=view.v_head_dim,
-            SP=max(16, _pow2(s)),
-            HAS_SCALE=has_scale,
-            FP4_MUL=fp4_mul,
-            HAS_SINKS=sinks is not None,
-            num_warps=4,
-        )
+        _merge(plan, out, sinks, vsc, has_scale, fp4_mul)
     return out
+
+
+# Launch the split merge as a programmatic dependent of the split kernel where the GPU can
+# (sm_90+). A module switch for benchmarks' A/B runs (benches/attention, section ``small``).
+_MERGE_PDL = True
+
+
+def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -> None:
+    """Launch ``decode.merge_kernel`` over the plan's split workspace into ``out [B, H_q, Dv]``.
+
+    Grid ``(B, H_q, Dv / block_dv)``: 32-column blocks while the batch has fewer than 4,096
+    (request, query head) rows, so a single request still spreads over 4 x 32 programs; at most
+    256 splits per step (:func:`_merge_tiles`). On sm_90+ the merge is launched as a
+    programmatic dependent (PDL) of the split kernel: its launch overlaps the split kernel's
+    tail and it waits (``griddepcontrol.wait``) for the split kernel's grid before reading.
+    """
+    from kvpool.triton_kernels.decode import merge_kernel
+
+    bsz, hq, dv = out.shape
+    sp, block_dv, warps = _merge_tiles(bsz * hq, plan.num_splits, dv)
+    pdl = _MERGE_PDL and not _interpreting() and _has_tma(out.device)
+    merge_kernel[(bsz, hq, dv // block_dv)](
+        plan.part_out,
+        plan.part_lse,
+        sinks if sinks is not None else out,
+        vsc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        hq,
+        plan.num_splits,
+        DV=dv,
+        BLOCK_DV=block_dv,
+        SP=sp,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        HAS_SINKS=sinks is not None,
+        PDL=pdl,
+        num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
+def _merge_tiles(rows: int, splits: int, dv: int) -> tuple[int, int, int]:
+    """``(SP, BLOCK_DV, num_warps)`` of the split merge for ``rows`` = B x H_q.
+
+    SP: splits per step, a power of two in 16..256; BLOCK_DV: 32 output columns per program
+    (``dv`` if narrower) below 4,096 rows, else all ``dv``; warps: one per 1,024 tile values,
+    1..4.
+    """
+    sp = min(max(16, _pow2(splits)), 256)
+    block_dv = dv if rows >= 4096 else min(dv, 32)
+    return sp, block_dv, max(1, min(4, sp * block_dv // 1024))
 
 
 def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
