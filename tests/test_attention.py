@@ -964,10 +964,22 @@ def test_default_splits_wave_model(monkeypatch):
     assert ds(64, 8, 8192, "cpu", 32, 1) == 3
     # B=16: 128 programs; s=12 -> 1,536 (one wave), chunk 704 -> 720; s=13 -> 1,664: 2 waves
     assert ds(16, 8, 8192, "cpu", 32, 1) == 12
-    # latency-bound (<= 16 programs): the most splits: 256 of >= 128 tokens (1 warp), 128 of
-    # >= 256 tokens (4 warps)
-    assert ds(1, 8, 32768, "cpu", 16, 1) == 256
+    # latency-bound (<= 16 programs): 4 warps take the most splits, 128 of >= 256 tokens
     assert ds(1, 8, 32768, "cpu", 128, 4) == 128
+    # 1 warp: about 2 * sqrt(B * H * n) programs. B=1/32k: 2 * sqrt(262,144) = 1,024 programs,
+    # 128 splits of 256 tokens; B=1/8k: 512 programs, 64 splits of 128 tokens
+    assert ds(1, 8, 32768, "cpu", 16, 1) == 128
+    assert ds(1, 8, 8192, "cpu", 16, 1) == 64
+    # B=1/128k: 2,048 programs (256 splits) exceed 12 x 132 = 1,584 slots: 198 splits, chunk
+    # 16 * ceil(ceil(131072 / 198) / 16) = 672 tokens, so 196 splits (none empty); with 16 per
+    # SM (2,112 slots) the 256 fit
+    assert ds(1, 8, 131072, "cpu", 16, 1) == 196
+    assert ds(1, 8, 131072, "cpu", 16, 1, 16) == 256
+    # B=2/32k: 2 * sqrt(524,288) / 16 = 90.5 -> 90 splits, chunk 16 * ceil(365 / 16) = 368
+    # tokens: 90 splits; with 32-token tiles chunk 384: 86 splits
+    assert ds(2, 8, 32768, "cpu", 16, 1) == 90
+    assert ds(2, 8, 32768, "cpu", 32, 1) == 86
+    # short requests: at most n // 128 splits (1000 tokens: 7 of 144 tokens), at least 1
     assert ds(1, 8, 1000, "cpu", 16, 1) == 7
     assert ds(1, 8, 100, "cpu", 16, 1) == 1
     # fp8 one-warp ring (16-token tiles, 3 stages, 128 registers): 16 programs per SM = 2,112
@@ -1215,11 +1227,14 @@ def test_plan_decode_gluon_choice(monkeypatch):
     # nvfp4: decode_gluon_fp4's 2-stage ring of two 16-token tiles a stage (block_n 32), 12 per
     # SM in the split model as e5m2's
     assert p4.gluon and (p4.prefetch, p4.num_stages, p4.block_n) == (False, 2, 32)
-    # one tile a stage where only that fits the grid in one wave: 8 heads x 256 splits = 2,048
-    # programs, more than 14 x 132 (two tiles a stage), at most 16 x 132 (one)
+    # B=1/32k: 128 splits (2 * sqrt(8 * 32768) = 1,024 programs), two tiles a stage
     c32 = Cache("nvfp4", [32768], heads=8, d=128, page=16)
     p32 = attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens, max_seq_len=32768)
-    assert (p32.num_splits, p32.block_n) == (256, 16)
+    assert (p32.num_splits, p32.block_n) == (128, 32)
+    # one tile a stage where only that fits the grid in one wave: 8 heads x 256 splits = 2,048
+    # programs, more than 14 x 132 (two tiles a stage), at most 16 x 132 (one)
+    assert attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens,
+                                 num_splits=256).block_n == 16
     assert attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens, max_seq_len=32768,
                                  num_splits=200).block_n == 32  # 1,600 programs: one wave
     assert attention.plan_decode(c4.view, 32, c4.page_table, c4.seq_lens,

@@ -424,8 +424,11 @@ def default_splits(
     ``block_n`` tiles and costs about half a tile more (pipeline fill, partial output). The
     estimated time, waves x (tokens per split + block_n / 2), is minimized (fewest splits on
     ties). With at most 16 programs before splitting (one or two requests) the kernel is
-    latency-bound and takes the most splits: at most 128 of at least 256 tokens (4 warps), or
-    256 of at least 128 tokens (1 warp).
+    latency-bound: 4-warp programs take the most splits, at most 128 of at least 256 tokens;
+    one-warp programs about ``2 * sqrt(B * kv_heads * max_seq_len)`` programs in all (each
+    split's fixed cost, its partial output and its share of the merge, against tokens per
+    program), at most one wave and at most 256 splits of at least 128 tokens. Splits are whole
+    ``block_n`` tiles and none is empty (the count is what the tiles need).
 
     Measured on the H200 (benches/attention, 8 KV heads): 4 warps (run 5), B=16 at 8k: 3 splits
     (one wave; 2, 5 and 8 slower); B=1 at 32k: 128 (66, 32 slower). 1 warp, fp8_e4m3 with
@@ -434,6 +437,11 @@ def default_splits(
     (3: 0.173, 6: 0.123, 24: 0.101); B=1/32k 256 splits of 16-token tiles 35.8 us (128 splits
     of 32-token tiles: 37.8, 256: 41.8). fp8 with 16-token tiles and 3 stages (run 7,
     ``results/run7_h200``): 16 programs per SM, B=64/8k 4 splits 0.325 ms (3: 0.338).
+    One-warp programs at <= 16 programs per split, after the split merge's rewrite (run 10,
+    ``results/run10_h200``, sweep of 3-5 split counts per point): B=1/32k 128 splits best
+    (nvfp4 26.5 us vs 30.1 at 256; fp8_e4m3 33.1 vs 35.3), B=1/8k 64 (nvfp4 15.0, fp8 16.2),
+    B=2/32k 64-128 (nvfp4 40.5, fp8 54.2-55.6), B=1/128k 256 (fp8 91.6 vs 99.7 at 128; nvfp4
+    65.5 vs 66.3): 512, 1,024, ~1,500 and 2,048 programs, ``2 * sqrt(B * H * n)``.
 
     Parameters
     ----------
@@ -463,10 +471,14 @@ def default_splits(
     n = max(int(max_seq_len), 1)
     one_warp = num_warps == 1
     smax = max(1, min(256 if one_warp else 128, n // (128 if one_warp else 256)))
-    if programs <= 16:
-        return smax
     per_sm = programs_per_sm or max(1, 12 // max(num_warps, 1))
     slots = per_sm * _num_sms(torch.device(device))
+    if programs <= 16 and not one_warp:
+        return smax
+    if programs <= 16:
+        s = round(2 * math.sqrt(programs * n) / programs)
+        s = max(1, min(s, smax, slots // programs))
+        return _cdiv(n, _cdiv(_cdiv(n, s), block_n) * block_n)  # whole tiles, no empty split
     extra = block_n // 2 if overhead is None else overhead
     best, best_cost = 1, None
     for s in range(1, smax + 1):
