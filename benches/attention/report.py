@@ -109,6 +109,39 @@ def main():
         "",
     ]
 
+    parts = [r for r in res if r["kind"] == "decode_parts" and r["dtype"] in dts]
+    if parts:
+        L += [
+            "## Small batches: where the decode time goes (page 16, `small` section)",
+            "",
+            "Each column is its own CUDA graph through the same harness (L2 flushed, median; the "
+            "harness alone costs the timing floor of one tiny kernel). `75% target`: the time "
+            "at 75% of the copy bandwidth in KV bytes. `bare read`: a Triton kernel that only "
+            "reads the same number of contiguous bytes (best of 2, 4, 8 programs per SM).",
+            "",
+            "| dtype | B | ctx | splits | decode us | split kernel us | merge us | bare read us "
+            "| copy us | 75% target us | decode % of copy bw | bare read % of copy bw "
+            "| decode / bare read |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in parts:
+            m = {k: v * 1e3 for k, v in r["ms"].items()}
+            full = min(v for k, v in m.items() if k.startswith("full_pdl"))
+            target = r["kv_bytes"] / (0.75 * copy) * 1e6
+            bw = r["kv_bytes"] / copy * 1e6  # us at the copy bandwidth
+            L.append(
+                f"| {r['dtype']} | {r['B']} | {r['ctx'] // 1024}k | {r['splits']} | {full:.1f} | "
+                f"{m.get('split_kernel', float('nan')):.1f} | {m.get('merge', float('nan')):.1f} | "
+                f"{m['read_same_bytes']:.1f} | {m['copy_same_bytes']:.1f} | {target:.1f} | "
+                f"{100 * bw / full:.0f}% | {100 * bw / m['read_same_bytes']:.0f}% | "
+                f"{full / m['read_same_bytes']:.2f} |"
+            )
+        floor = next((r["ms"] for r in res if r["kind"] == "floor"), None)
+        if floor is not None:
+            L += ["", f"Timing floor (one tiny kernel, same harness): {floor * 1e3:.1f} us.", ""]
+        else:
+            L.append("")
+
     variants = [] if a.no_variants else [a.main, *a.extra]
     L += (
         []
