@@ -7,7 +7,7 @@ contiguous bf16 (at the start and at the end) and the fp8_e4m3 Gluon kernel; max
 of each output from the Triton kernel's. ``bench_attention``'s harness (CUDA graph, L2 flushed
 before each of 25 repetitions, median).
 
-    OUT=dir python benches/attention/probes/gluon_fp4_check.py
+    OUT=dir python benches/attention/probes/gluon_fp4_check.py   # LOADS=1, DEPTH=1, SMALL=1
 """
 
 import json
@@ -148,7 +148,24 @@ def depth_main():
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
 
+def small_main():
+    """Run 10: the FP4 Gluon kernel at B=1 (32k, 8k) with loads only (``ablate=1``: TMA data
+    tiles and scale rows arrive, no math) against the full kernel, at the planner's split
+    count and at 64 and 256 splits; the merge runs in every point."""
+    for dt in ("nvfp4", "fp4_mx_block16"):
+        v4 = ba.make_pool(dt, 32768 + 4096)
+        for ctx in (32768, 8192):
+            pts = [("default", None, {}), ("loads_only", None, {"ablate": 1})]
+            for sp in (64, 256):
+                pts += [(f"sp{sp}", None, {"num_splits": sp}),
+                        (f"sp{sp}_loads_only", None, {"num_splits": sp, "ablate": 1})]  # fmt: skip
+            point(v4, 1, ctx, 16, pts)
+        del v4
+
+
 def main():
+    if os.environ.get("SMALL"):
+        return small_main()
     if os.environ.get("LOADS"):
         return loads_main()
     if os.environ.get("DEPTH"):
