@@ -610,10 +610,13 @@ def test_merge_interpret(splits, wide, sinks):
     pl = torch.randn(b, hq, splits, generator=gen) * 8.0
     empty = torch.rand(b, hq, splits, generator=gen) < 0.3
     empty[1, 0] = True  # one (request, head) with no token in any split
+    if splits > 256:  # another whose first step of 256 splits is all empty, a later one live
+        empty[0, 1, :256] = True
+        empty[0, 1, 256:] = False
     pl[empty] = float("-inf")
     po[empty.unsqueeze(-1).expand_as(po)] = 0.0
     sk = torch.linspace(-2.0, 3.0, hq) if sinks else None
-    vsc = torch.tensor([0.5])
+    vsc = torch.tensor([0.75])  # times FP4_MUL 2.0: the V factor 1.5
     out = torch.empty(b, hq, dv, dtype=torch.bfloat16)
     sp, block_dv, _ = attention._merge_tiles(b * hq, splits, dv)
     if wide:
@@ -622,7 +625,7 @@ def test_merge_interpret(splits, wide, sinks):
         po, pl, sk if sinks else out, vsc, out, out.stride(0), out.stride(1), hq, splits,
         DV=dv, BLOCK_DV=block_dv, SP=sp, HAS_SCALE=True, FP4_MUL=2.0, HAS_SINKS=sinks,
     )  # fmt: skip
-    ref = _merge_reference(po, pl, sk, 1.0)
+    ref = _merge_reference(po, pl, sk, 1.5)
     assert torch.isfinite(out.float()).all()
     torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     if not sinks:
@@ -630,13 +633,16 @@ def test_merge_interpret(splits, wide, sinks):
 
 
 def test_merge_tiles():
-    """Merge tiling: <= 256 splits a step, 32-column blocks below 4,096 rows, warps by size."""
+    """Merge tiling: <= 256 splits a step, 32-column blocks below 4,096 rows, from there steps
+    of at most 8,192 values, warps by size."""
     assert attention._merge_tiles(32, 256, 128) == (256, 32, 4)  # B=1, 32 heads: 128 programs
     assert attention._merge_tiles(32, 1024, 128) == (256, 32, 4)  # four steps
     assert attention._merge_tiles(32, 3, 128) == (16, 32, 1)
     assert attention._merge_tiles(2048, 4, 128) == (16, 32, 1)
     assert attention._merge_tiles(4096, 4, 128) == (16, 128, 2)
     assert attention._merge_tiles(4096, 64, 16) == (64, 16, 1)
+    assert attention._merge_tiles(4096, 128, 128) == (128, 64, 4)  # 8,192 values a step
+    assert attention._merge_tiles(4096, 300, 128) == (256, 32, 4)
 
 
 @interpret
@@ -857,6 +863,26 @@ def test_decode_gpu_batch_256_page_sizes(dtype):
             sinks=torch.linspace(-2, 2, 8),
         )
         assert rel_err(out, ref) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("splits", [128, 300])
+def test_decode_gpu_merge_many_rows_and_splits(dtype, splits):
+    """The split merge where it takes its other tiles: 4,096 (request, query head) rows (128
+    requests x 32 heads) with 128 splits (64-column blocks) and 300 (two steps, most splits
+    empty), sinks; on sm_90+ launched as a programmatic dependent of the split kernel."""
+    gen = torch.Generator().manual_seed(splits)
+    lens = torch.randint(1, 700, (128,), generator=gen).tolist()
+    cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda")
+    rows, dv = 128 * 32, 128
+    sp, block_dv, _ = attention._merge_tiles(rows, splits, dv)
+    assert (sp, block_dv) == ((128, 64) if splits == 128 else (256, 32))
+    out, ref = run_decode(
+        cache, 32, backend="triton", device="cuda", plan_kw={"num_splits": splits},
+        sinks=torch.linspace(-2, 2, 32),
+    )  # fmt: skip
+    assert rel_err(out, ref) < TOL[dtype]
 
 
 @gpu

@@ -602,10 +602,11 @@ def merge_kernel(
     ``num_splits`` normalized partial outputs (``PO [B*Hq, num_splits, DV]`` fp32) by their
     log2-sum-exp (``PL [B*Hq, num_splits]``), ``SP`` splits per step with an online rescale,
     adds the sink (if any) to the denominator, applies the folded V factor and writes the
-    output in its dtype. Steps of ``SP x BLOCK_DV`` values (at most 256 x 32: 64 fp32 per
-    thread at 4 warps) keep the tile in registers; the old one-step ``num_splits x DV`` tile
-    spilled from 256 splits on (2.8 KiB of stack per thread, sm_90). ``PDL``: launched as a
-    programmatic dependent of the split kernel; wait for its grid before reading."""
+    output in its dtype. Steps of ``SP x BLOCK_DV`` values (at most 8,192: 64 fp32 per thread
+    at 4 warps; the launcher's ``_merge_tiles``) keep the tile in registers; the old one-step
+    ``num_splits x DV`` tile spilled from 256 splits on (2.8 KiB of stack per thread, sm_90).
+    ``PDL``: launched as a programmatic dependent of the split kernel; wait for its grid
+    before reading anything."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b * Hq + h

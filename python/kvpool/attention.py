@@ -441,7 +441,9 @@ def default_splits(
     ``results/run10_h200``, sweep of 3-5 split counts per point): B=1/32k 128 splits best
     (nvfp4 26.5 us vs 30.1 at 256; fp8_e4m3 33.1 vs 35.3), B=1/8k 64 (nvfp4 15.0, fp8 16.2),
     B=2/32k 64-128 (nvfp4 40.5, fp8 54.2-55.6), B=1/128k 256 (fp8 91.6 vs 99.7 at 128; nvfp4
-    65.5 vs 66.3): 512, 1,024, ~1,500 and 2,048 programs, ``2 * sqrt(B * H * n)``.
+    65.5 vs 66.3): 512, 1,024, ~1,500 and 2,048 programs, ``2 * sqrt(B * H * n)``. The
+    one-wave cap binds at B=1/128k for the Gluon FP4 model (12 programs per SM: 196 splits,
+    not measured; between 128 and 256, which were within 1.3%), not for fp8's 16 (256).
 
     Parameters
     ----------
@@ -460,7 +462,8 @@ def default_splits(
         (the fp8 one-warp default with 16-token tiles and 3 stages: 128 registers x 32 threads,
         13 KiB of shared memory, so 16).
     overhead : int, optional
-        What one program costs besides its tokens, in tokens (default ``block_n // 2``).
+        What one program costs besides its tokens, in tokens (default ``block_n // 2``). Used
+        by the wave model only (not by the <= 16-program one-warp rule).
 
     Returns
     -------
@@ -599,8 +602,9 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     if view.dtype in _FP4 and _GLUON_FP4_OPTIONS[3] == 2:
         # two 16-token tiles per ring stage (nvfp4 140 registers: 14 programs per SM instead of
         # 16), except where only one tile a stage keeps the grid in one wave (run 9, call 4:
-        # B=1/32k, 2,048 programs, 31.6 us vs 35.3; two tiles faster at every other measured
-        # shape); splits then in whole 32-token stages
+        # 256 splits at B=1/32k, 2,048 programs, 31.6 us vs 35.3; two tiles faster at every
+        # other measured shape; since run 10 the planner takes 128 splits there, so this is
+        # mostly an explicit num_splits' case); splits then in whole 32-token stages
         sms = _num_sms(torch.device(dev))
         programs = b * view.num_kv_heads * num_splits
         block_n = 16 if 14 * sms < programs <= 16 * sms else 32
@@ -1158,24 +1162,35 @@ def decode(
 
 
 # Launch the split merge as a programmatic dependent of the split kernel where the GPU can
-# (sm_90+). A module switch for benchmarks' A/B runs (benches/attention, section ``small``).
+# (sm_90 and sm_100 class; see _pdl_capable). A module switch for benchmarks' A/B runs
+# (benches/attention, section ``small``).
 _MERGE_PDL = True
+
+
+@functools.cache
+def _pdl_capable(index: int) -> bool:
+    # compute capability 9.x / 10.x only: PDL launches failed under graph capture on SM120 in
+    # a peer engine (sgl-project/sglang#18596), and nothing here was measured there
+    return torch.cuda.get_device_capability(index)[0] in (9, 10)
 
 
 def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -> None:
     """Launch ``decode.merge_kernel`` over the plan's split workspace into ``out [B, H_q, Dv]``.
 
-    Grid ``(B, H_q, Dv / block_dv)``: 32-column blocks while the batch has fewer than 4,096
-    (request, query head) rows, so a single request still spreads over 4 x 32 programs; at most
-    256 splits per step (:func:`_merge_tiles`). On sm_90+ the merge is launched as a
-    programmatic dependent (PDL) of the split kernel: its launch overlaps the split kernel's
-    tail and it waits (``griddepcontrol.wait``) for the split kernel's grid before reading.
+    Grid ``(B, H_q, Dv / BLOCK_DV)`` with the tiles of :func:`_merge_tiles` (a small batch
+    spreads over ``Dv / 32`` programs per (request, query head)). On compute capability 9.x and
+    10.x the merge is launched as a programmatic dependent (PDL) of the split kernel, the
+    launch just before it on the stream: its launch overlaps the split kernel's tail and it
+    waits (``griddepcontrol.wait``) for the split grid to complete before reading anything.
+    Measured gain on the H200: 0.0-0.5 us (benches/attention, run 10).
     """
     from kvpool.triton_kernels.decode import merge_kernel
 
     bsz, hq, dv = out.shape
     sp, block_dv, warps = _merge_tiles(bsz * hq, plan.num_splits, dv)
-    pdl = _MERGE_PDL and not _interpreting() and _has_tma(out.device)
+    dev = out.device
+    pdl = _MERGE_PDL and not _interpreting()
+    pdl = pdl and _pdl_capable(torch.cuda.current_device() if dev.index is None else dev.index)
     merge_kernel[(bsz, hq, dv // block_dv)](
         plan.part_out,
         plan.part_lse,
@@ -1201,12 +1216,16 @@ def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -
 def _merge_tiles(rows: int, splits: int, dv: int) -> tuple[int, int, int]:
     """``(SP, BLOCK_DV, num_warps)`` of the split merge for ``rows`` = B x H_q.
 
-    SP: splits per step, a power of two in 16..256; BLOCK_DV: 32 output columns per program
-    (``dv`` if narrower) below 4,096 rows, else all ``dv``; warps: one per 1,024 tile values,
-    1..4.
+    SP: splits per step, a power of two in 16..256. BLOCK_DV: output columns per program,
+    32 (``dv`` if narrower) below 4,096 rows, so that a small batch spreads over more programs;
+    from 4,096 rows as many as keep a step at 8,192 values (all ``dv`` for up to 64 splits at
+    ``dv`` 128), at least 32. Warps: one per 1,024 values of a step, 1..4 (a step of 8,192
+    fp32 values is 64 registers per thread at 4 warps; the old one-step ``256 x 128`` tile
+    spilled).
     """
     sp = min(max(16, _pow2(splits)), 256)
-    block_dv = dv if rows >= 4096 else min(dv, 32)
+    narrow = min(dv, 32)
+    block_dv = narrow if rows < 4096 else min(dv, max(narrow, 8192 // sp))
     return sp, block_dv, max(1, min(4, sp * block_dv // 1024))
 
 
