@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import matplotlib
 
@@ -67,7 +66,7 @@ def main():
     a = ap.parse_args()
     meta, res = load(a.main)
     dts = a.dtypes.split(",")
-    name = os.path.basename(a.main)
+    name = a.main  # as given (relative to benches/attention): several runs share file names
     copy = next(r["Bps"] for r in res if r["kind"] == "copy")
     sdpa = sdpa_of(res)
     tag = a.grid_tag
@@ -170,7 +169,7 @@ def main():
             if r["kind"] == "decode" and r["impl"] == "variant":
                 s = sd.get((r["B"], r["ctx"]))
                 L.append(
-                    f"| {os.path.basename(path)} | {r['dtype']} | {r['B']} | {r['ctx'] // 1024}k | {cfg(r)} | "  # noqa: E501
+                    f"| {path} | {r['dtype']} | {r['B']} | {r['ctx'] // 1024}k | {cfg(r)} | "  # noqa: E501
                     f"{r['ablate']} | {r['ms']:.4f} | {r['kv_TBps']:.2f} | "
                     + (f"{s['ms'] / r['ms']:.2f} |" if s else "- |")
                 )
@@ -193,7 +192,7 @@ def main():
             c = ", ".join(f"{k}={r[k]}" for k in EXT_KEYS if k in r)
             ratio = f"{base['ms'] / r['ms']:.2f}" if base else "-"
             L.append(
-                f"| {os.path.basename(path)} | {r['impl']} | {r['dtype']} | {c} | {r['ms']:.3f} | "
+                f"| {path} | {r['impl']} | {r['dtype']} | {c} | {r['ms']:.3f} | "
                 f"{r['TFLOPs']:.0f} | {ratio} |"
             )
     L.append("")
@@ -235,7 +234,7 @@ def main():
         _, rr = load(path)
         sd = sdpa_of(rr)
         L += [
-            f"## Full grid of the opt-in configurations (`{os.path.basename(path)}`): ms (x SDPA of that run)",  # noqa: E501
+            f"## Full grid of the opt-in configurations (`{path}`): ms (x SDPA of that run)",  # noqa: E501
             "",
             "| dtype | config | page | "
             + " | ".join(f"B={b} {c // 1024}k" for b in BS for c in CTXS)
