@@ -295,8 +295,22 @@ def _gluon_device_unfit(device: torch.device) -> str | None:
     """
     if device.type != "cuda" or _interpreting():
         return "a CPU tensor or the Triton interpreter (CUDA only)"
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return _gluon_cuda_unfit(index)
+    return _gluon_cuda_unfit(_cuda_index(device))
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The GPU index of CUDA ``device`` (the current GPU when it names none)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """CUDA ``device``'s compute capability, cached per GPU (decode asks on every call)."""
+    return _capability_of(_cuda_index(device))
 
 
 @functools.cache
@@ -1162,16 +1176,9 @@ def decode(
 
 
 # Launch the split merge as a programmatic dependent of the split kernel where the GPU can
-# (sm_90 and sm_100 class; see _pdl_capable). A module switch for benchmarks' A/B runs
+# (compute capability 9.x and 10.x; see _merge). A module switch for benchmarks' A/B runs
 # (benches/attention, section ``small``).
 _MERGE_PDL = True
-
-
-@functools.cache
-def _pdl_capable(index: int) -> bool:
-    # compute capability 9.x / 10.x only: PDL launches failed under graph capture on SM120 in
-    # a peer engine (sgl-project/sglang#18596), and nothing here was measured there
-    return torch.cuda.get_device_capability(index)[0] in (9, 10)
 
 
 def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -> None:
@@ -1188,9 +1195,9 @@ def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -
 
     bsz, hq, dv = out.shape
     sp, block_dv, warps = _merge_tiles(bsz * hq, plan.num_splits, dv)
-    dev = out.device
-    pdl = _MERGE_PDL and not _interpreting()
-    pdl = pdl and _pdl_capable(torch.cuda.current_device() if dev.index is None else dev.index)
+    # compute capability 9.x / 10.x only: PDL launches failed under graph capture on SM120 in
+    # a peer engine (sgl-project/sglang#18596), and nothing here was measured there
+    pdl = _MERGE_PDL and not _interpreting() and _capability(out.device)[0] in (9, 10)
     merge_kernel[(bsz, hq, dv // block_dv)](
         plan.part_out,
         plan.part_lse,
@@ -1314,14 +1321,9 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     )  # fmt: skip
 
 
-@functools.cache
-def _tma_capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def _has_tma(device: torch.device) -> bool:
     """Whether CUDA ``device`` has the Tensor Memory Accelerator (compute capability 9.0+)."""
-    return _tma_capable(torch.cuda.current_device() if device.index is None else device.index)
+    return _capability(device) >= (9, 0)
 
 
 def _tma_desc(t: torch.Tensor):
