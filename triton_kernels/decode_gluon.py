@@ -54,6 +54,16 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+# One mma.sync m16n8k16 layout (one warp) for both dots of both Gluon decode kernels (QK:
+# [16 heads, 16 tokens]; PV: [128, 8 heads]) and its operand layouts: Q and V^T as the A side,
+# K^T and P^T as the B side, two fp16 per 32-bit register.
+_MMA_LAYOUT = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+MMA = gl.constexpr(_MMA_LAYOUT)
+QOP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA_LAYOUT, k_width=2))
+KOP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA_LAYOUT, k_width=2))
+VOP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_MMA_LAYOUT, k_width=2))
+POP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=_MMA_LAYOUT, k_width=2))
+
 
 @gluon.jit
 def _k_words_f16(w, E5M2: gl.constexpr):
@@ -363,14 +373,7 @@ def decode_kernel(
     D: gl.constexpr = 128
     # (the planner gives every Gluon plan a ring or register prefetch)
     gl.static_assert(STAGES > 0 or PREFETCH, "STAGES > 0 or PREFETCH")
-    # one mma.sync m16n8k16 layout for both dots (QK: [16 heads, 16 tokens]; PV: [128, 8 heads])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
-    )
-    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # (MMA, QOP, KOP, VOP, POP: the module's shared mma.sync layouts)
     KL: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
     )

@@ -68,6 +68,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .decode_gluon import (
+    KOP,
+    MMA,
+    POP,
+    QOP,
+    VOP,
     _addr,
     _fold_sinks,
     _log2_scores,
@@ -548,13 +553,7 @@ def decode_kernel(
 ):
     BN: gl.constexpr = 16
     D: gl.constexpr = 128
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]
-    )
-    QOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    KOP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    VOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    POP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    # (MMA, QOP, KOP, VOP, POP: decode_gluon's shared mma.sync layouts)
     # K blocks [16 tokens, 8 blocks]: lane 4g + t -> tokens g, g + 8; blocks 2t, 2t + 1
     KL: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
