@@ -188,7 +188,9 @@ def page_table(b, ctx, page, rows, gen):
 # ----------------------------------------------------------------------------- points
 
 
-def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
+def decode_case(view, b, ctx, page, **plan_kw):
+    """``(view at page, q, plan, out)`` of one decode point: B requests of ``ctx`` tokens on
+    shuffled pages (seeded by B and ctx), a bf16 query, the planner's plan (with overrides)."""
     gen = torch.Generator().manual_seed(b * 7 + ctx)
     pv = with_page(view, page)
     pt = page_table(b, ctx, page, view.k.shape[0], gen)
@@ -196,6 +198,11 @@ def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
     q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
     plan = attention.plan_decode(pv, HQ, pt, sl, max_seq_len=ctx, **plan_kw)
     out = torch.empty(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+    return pv, q, plan, out
+
+
+def bench_decode(view, b, ctx, page, reps, tag="fused", **plan_kw):
+    pv, q, plan, out = decode_case(view, b, ctx, page, **plan_kw)
     ms, _ = time_ms(lambda: attention.decode(pv, q, plan=plan, out=out), reps)
     kvb = b * ctx * bytes_per_token(view.dtype)
     rec = {
@@ -278,13 +285,7 @@ def bench_small_parts(view, b, ctx, page, reps):
     (:func:`bare_read_ms`)."""
     import dataclasses
 
-    gen = torch.Generator().manual_seed(b * 7 + ctx)
-    pv = with_page(view, page)
-    pt = page_table(b, ctx, page, view.k.shape[0], gen)
-    sl = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(b, HQ, D, dtype=torch.bfloat16, device="cuda")
-    plan = attention.plan_decode(pv, HQ, pt, sl, max_seq_len=ctx)
-    out = torch.empty(b, HQ, D, dtype=torch.bfloat16, device="cuda")
+    pv, q, plan, out = decode_case(view, b, ctx, page)
     kvb = b * ctx * bytes_per_token(view.dtype)
     _, _, has_scale, fp4_mul = attention._KERNEL_FORMAT[view.dtype]
     _, _, _, vsc = attention._scale_args(pv)
