@@ -349,7 +349,8 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # register prefetch (STAGES=0, 138 registers, 12 programs per SM in the model), call 9's grid
 # and key sections (``results/run7_h200/gluon/attention.json``, ``stdout.txt``): B=64/8k
 # 0.297-0.300 ms (1.66x SDPA), B=128/8k 0.581-0.584, B=16/8k 0.088-0.089.
-# dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model)
+# dtype -> (ring stages, 0 = register prefetch; programs per SM in the split model; register
+# cap per thread, ptxas ``.maxnreg``, None: none)
 # nvfp4 (``decode_gluon_fp4.py``): a 2-stage ring of two 16-token tiles a stage, data by TMA
 # (140 registers, 9 KiB of shared memory), split model of 12 programs per SM: run 9
 # (``results/run9_h200/NOTES.md``), B=64/8k: 3 splits 0.216 ms, 4: 0.222, 2: 0.226; 3 stages
@@ -358,11 +359,16 @@ def _gluon_cuda_unfit(index: int) -> str | None:
 # e4m3's model counts 12 programs per SM as well (3 splits there); call 12: e5m2 with the ring
 # at 3 splits 0.274 ms vs register prefetch 0.278 (1.80x vs 1.78x SDPA), so it takes the ring.
 # fp4_mx_block16 (decode_gluon_fp4.py with DEC 2: bf16 operands) as nvfp4.
+# Register caps (run 11, ``results/run11_h200/NOTES.md``): 128 on FP4 / e5m2 and 112 on e4m3
+# (16-18 programs per SM, no spills) with the split count that fills them were equal or slower
+# at every measured shape but nvfp4 B=64/8k page 16 (215.6 vs 218.6 us, lost at page 64) and
+# nvfp4 and e4m3 at B=128/4k (-0.3%, -1.8%); fp8 at 4 splits 5% slower. So none is set; probes
+# may set one.
 _GLUON_CONFIG = {
-    "fp8_e4m3": (3, 12),
-    "fp8_e5m2": (3, 12),
-    "nvfp4": (2, 12),
-    "fp4_mx_block16": (2, 12),
+    "fp8_e4m3": (3, 12, None),
+    "fp8_e5m2": (3, 12, None),
+    "nvfp4": (2, 12, None),
+    "fp4_mx_block16": (2, 12, None),
 }
 # nvfp4 nibble decode (K, V): 0 = integer bit moves, 1 = via e4m3 bytes and cvt; the same speed
 # in run 8 (0.287-0.289 ms at 4 splits, every pair); 1 (fewer integer instructions) stays, 0 is
@@ -607,7 +613,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles.
     """
     b, dev = page_table.shape[0], view.k.device
-    stages, per_sm = _GLUON_CONFIG[view.dtype]
+    stages, per_sm, maxnreg = _GLUON_CONFIG[view.dtype]
     given = num_splits
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
@@ -621,7 +627,8 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         # mostly an explicit num_splits' case); splits then in whole 32-token stages
         sms = _num_sms(torch.device(dev))
         programs = b * view.num_kv_heads * num_splits
-        block_n = 16 if 14 * sms < programs <= 16 * sms else 32
+        two = 16 if maxnreg is not None and maxnreg <= 128 else 14  # two-tile programs per SM
+        block_n = 16 if two * sms < programs <= 16 * sms else 32
         if block_n == 32 and given is None:
             num_splits = default_splits(
                 b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
@@ -641,7 +648,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         swap=False,
         ablate=0,
         group_pad=16,
-        maxnreg=None,
+        maxnreg=maxnreg,
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
@@ -1266,6 +1273,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
         num_warps=1,
+        **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
     )
     rest = (
         page_table.stride(0),

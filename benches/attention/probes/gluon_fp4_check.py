@@ -7,7 +7,8 @@ contiguous bf16 (at the start and at the end) and the fp8_e4m3 Gluon kernel; max
 of each output from the Triton kernel's. ``bench_attention``'s harness (CUDA graph, L2 flushed
 before each of 25 repetitions, median).
 
-    OUT=dir python benches/attention/probes/gluon_fp4_check.py   # LOADS=1 DEPTH=1 SMALL=1 HEADMAJOR=1
+    OUT=dir python benches/attention/probes/gluon_fp4_check.py
+    # modes: LOADS=1 DEPTH=1 SMALL=1 HEADMAJOR=1 REGS=1 STREAMS=1
 """
 
 import json
@@ -23,7 +24,7 @@ from kvpool import attention  # noqa: E402
 OUT = os.environ.get("OUT", ".")
 RES = []
 DEFAULTS = (
-    attention._GLUON_CONFIG["nvfp4"],
+    dict(attention._GLUON_CONFIG),
     attention._GLUON_FP4_DEC,
     attention._GLUON_FP4_OPTIONS,
 )
@@ -46,7 +47,9 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
     ref = None
     for tag, dec, kw in points:
         kw = dict(kw)
-        stages = kw.pop("stages", DEFAULTS[0][0])
+        stages0, per_sm0, reg0 = DEFAULTS[0][view.dtype]
+        stages = kw.pop("stages", stages0)
+        cfg = (stages, kw.pop("per_sm", per_sm0), kw.pop("maxnreg", reg0))
         attention._GLUON_FP4_OPTIONS = (
             kw.pop("head_fast", True),
             kw.pop("ablate", 0),
@@ -54,7 +57,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
             kw.pop("sub", DEFAULTS[2][3]),
         )
         try:
-            attention._GLUON_CONFIG[view.dtype] = (stages, DEFAULTS[0][1])
+            attention._GLUON_CONFIG[view.dtype] = cfg
             if dec is not None:
                 attention._GLUON_FP4_DEC = dec
             plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw)
@@ -74,6 +77,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
                 dec=dec,
                 plan=kw,
                 stages=stages,
+                config=cfg,
                 probe=attention._GLUON_FP4_OPTIONS,
                 splits=plan.num_splits,
                 block_n=plan.block_n,
@@ -84,10 +88,8 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
             )
         except Exception as e:  # noqa: BLE001
             rec(tag=tag, dtype=view.dtype, B=b, ctx=ctx, dec=dec, plan=kw, error=repr(e)[:400])
-    attention._GLUON_CONFIG["nvfp4"], attention._GLUON_FP4_DEC, attention._GLUON_FP4_OPTIONS = (
-        DEFAULTS
-    )
-    attention._GLUON_CONFIG["fp4_mx_block16"] = DEFAULTS[0]
+    attention._GLUON_CONFIG.update(DEFAULTS[0])
+    attention._GLUON_FP4_DEC, attention._GLUON_FP4_OPTIONS = DEFAULTS[1:]
 
 
 def loads_main():
@@ -202,7 +204,74 @@ def headmajor_main():
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
 
+# register caps per dtype (ptxas ``.maxnreg``) that compile without spills or with 8 bytes of
+# stack (Triton 3.6, sm_90, offline): nvfp4 140 registers uncapped, 128 none, 120 8 B; mx the
+# same; e5m2 138, 128 and 120 none; e4m3 128, 112 none
+CAPS = {"nvfp4": (128, 120), "fp4_mx_block16": (128, 120), "fp8_e5m2": (128, 120),
+        "fp8_e4m3": (112, 120)}  # fmt: skip
+
+
+def regs_main():
+    """Run 11: register caps on the Gluon kernels, so more one-warp programs share a
+    multiprocessor (65,536 registers / (32 x cap): 128 -> 16, 120 -> 17, 112 -> 18; uncapped
+    nvfp4 144 -> 14). At B=64/8k a split is 512 programs (3 splits: 11.6 per SM, 4: 15.5), so
+    a cap pays only with the split count that fills the room; ``per_sm`` is the planner's
+    model. Default first and again last at B=64/8k (drift); other shapes default vs capped."""
+    rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+    rows = 64 * 8192 + 4096
+    for dt in ("nvfp4", "fp4_mx_block16", "fp8_e5m2", "fp8_e4m3"):
+        v = ba.make_pool(dt, rows)
+        pts = [("default", None, {})]
+        for cap in CAPS[dt]:
+            per = 65536 // (32 * cap)
+            for sp in (3, 4):
+                pts.append(
+                    (f"r{cap}_sp{sp}", None, {"maxnreg": cap, "per_sm": per, "num_splits": sp})
+                )
+            pts.append((f"r{cap}_plan", None, {"maxnreg": cap, "per_sm": per}))
+        if dt == "nvfp4":
+            pts += [("loads_only_sp3", None, {"ablate": 1, "num_splits": 3}),
+                    ("r128_loads_only_sp4", None, {"ablate": 1, "maxnreg": 128, "per_sm": 16,
+                                                  "num_splits": 4})]  # fmt: skip
+        pts.append(("default_again", None, {}))
+        point(v, 64, 8192, 16, pts)
+        cap = CAPS[dt][0]
+        capped = {"maxnreg": cap, "per_sm": 65536 // (32 * cap)}
+        point(
+            v,
+            64,
+            8192,
+            64,
+            [("default", None, {}), (f"r{cap}_sp4", None, {**capped, "num_splits": 4})],
+        )
+        for b, ctx in ((128, 4096), (32, 8192), (16, 8192), (4, 32768), (1, 32768)):
+            point(v, b, ctx, 16, [("default", None, {}), (f"r{cap}_plan", None, capped)])
+        del v
+    rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+
+
+def streams_main():
+    """Run 11: how the FP4 kernel's time at B=64/8k moves with the number of concurrent
+    programs (512 per split; 1 split: 3.9 per SM, 6: 23 over two waves), full kernel and loads
+    only (``ablate=1``), beside a bare read of the same bytes through the same harness."""
+    rec(tag="sdpa_start", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+    v4 = ba.make_pool("nvfp4", 64 * 8192 + 4096)
+    kvb = 64 * 8192 * ba.bytes_per_token("nvfp4")
+    rec(tag="bare_read", dtype="nvfp4", B=64, ctx=8192, us=ba.bare_read_ms(kvb, 25) * 1e3)
+    for page, splits in ((16, (1, 2, 3, 4, 6)), (64, (2, 3))):
+        pts = []
+        for sp in splits:
+            pts += [(f"sp{sp}", None, {"num_splits": sp}),
+                    (f"sp{sp}_loads_only", None, {"num_splits": sp, "ablate": 1})]  # fmt: skip
+        point(v4, 64, 8192, page, pts)
+    rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
+
+
 def main():
+    if os.environ.get("STREAMS"):
+        return streams_main()
+    if os.environ.get("REGS"):
+        return regs_main()
     if os.environ.get("HEADMAJOR"):
         return headmajor_main()
     if os.environ.get("SMALL"):
