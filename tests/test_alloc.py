@@ -222,3 +222,72 @@ def test_batch_errors_name_the_request_and_leave_outputs_alone():
         kvpool.decode_slots(table, i32(0), 2)
     with pytest.raises(ValueError, match="page_size"):
         kvpool.pages_needed(i32(0), i32(1), -1)
+
+
+def i64(*xs):
+    return np.array(xs, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n", [2**40, 2**62])
+def test_huge_alloc_is_out_of_pages_not_an_abort(n):
+    # the output vector used to be reserved for `n` pages before the free count was checked:
+    # 2^40 aborted the process, 2^62 panicked
+    a = PageAllocator(8, 1)
+    cache = kvpool.RadixCache(a)
+    for alloc in (a.alloc, cache.alloc):
+        with pytest.raises(OutOfPagesError) as e:
+            alloc(n)
+        assert e.value.requested == n
+    assert a.try_alloc(n) is None and cache.try_alloc(n) is None
+    assert a.num_free == 8
+
+
+@pytest.mark.parametrize("call", [
+    lambda: PageAllocator(True, 1),
+    lambda: PageAllocator(8, True),
+    lambda: PageAllocator(8, 1).alloc(True),
+    lambda: PageAllocator(8, 1).try_alloc(False),
+    lambda: kvpool.RadixCache(PageAllocator(8, 1)).evict(True),
+    lambda: kvpool.pages_needed(i32(0), i32(5), True),
+    lambda: kvpool.page_table([i32(1)], True),
+])  # fmt: skip
+def test_bools_are_not_counts(call):
+    with pytest.raises(TypeError, match="got the bool `(True|False)`"):
+        call()
+
+
+def test_numpy_integer_counts_are_accepted():
+    a = PageAllocator(np.int64(8), np.int32(2))
+    assert a.alloc(np.int64(3)).shape == (3,)
+    assert kvpool.pages_needed(i32(0), i32(5), np.int64(2)).tolist() == [3]
+
+
+def test_sequences_beyond_int32_slots_are_refused():
+    # 2^31 tokens or more cannot have int32 slot indices; page counts used to wrap to int32
+    # (pages_needed gave [0, 5, -2147483648] for 2^40, 2^32 + 5, 2^31 at page_size 1)
+    with pytest.raises(BatchError, match=r"`seq_lens\[0\]` = 1099511627776: more tokens than int32"):
+        kvpool.pages_needed(i64(0, 0), i64(2**40, 5), 1)
+    with pytest.raises(BatchError, match=r"`seq_lens\[2\]` = 2147483648"):
+        kvpool.pages_needed(i64(0, 0, 0), i64(1, 2**31 - 1, 2**31), 1)
+    assert kvpool.pages_needed(i64(0), i64(2**31 - 1), 1).tolist() == [2**31 - 1]
+    table = np.full((2, 4), 3, dtype=np.int32)
+    for seq in (i64(2**40, 1), i64(2**63 - 1, 2**63 - 1)):
+        with pytest.raises(BatchError, match="more tokens than int32"):
+            kvpool.extend_slots(table, i64(0, 0), seq, 4)
+
+
+def test_outputs_too_large_raise_before_any_allocation():
+    # a request the page table cannot hold is refused before its slot array exists
+    with pytest.raises(BatchError, match="request 0 needs 268435456 pages, .* `max_pages` = 4"):
+        kvpool.extend_slots(np.full((1, 4), 3, dtype=np.int32), i64(0), i64(2**30), 4)
+    # numpy's own MemoryError, not a panic, for a table too wide to allocate
+    with pytest.raises(MemoryError):
+        kvpool.page_table([i32(1)], 2**40)
+
+
+@pytest.mark.parametrize("bad, index, value", [((-7, 8), 0, -7), ((3, 0), 1, 0)])
+def test_assign_pages_refuses_padding_and_negative_ids(bad, index, value):
+    table = np.zeros((1, 4), dtype=np.int32)
+    with pytest.raises(BatchError, match=rf"`new_pages\[{index}\]` = {value}: page ids start at 1"):
+        kvpool.assign_pages(table, i64(0), i64(5), i32(*bad), 4)
+    assert table.tolist() == [[0, 0, 0, 0]]

@@ -38,6 +38,9 @@ def test_layer_index_checks():
     plan = kvpool.size_for("Qwen/Qwen3-Next-80B-A3B-Thinking", "bf16", num_tokens=16)
     pool = kvpool.KVPool(plan, device="meta")
     assert pool.layers == [3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47]
-    for bad in (0, 48, -1, True, "3"):
+    for bad in (0, 48, -1, True, "3", 3.0):  # (3.0 used to find layer 3 by hash)
         with pytest.raises(KeyError, match="layer"):
             pool.layer(bad)
+    import numpy as np
+
+    assert pool.layer(np.int64(3)) is pool.layer(3)

@@ -148,6 +148,11 @@ def test_kvb19_namespaces_are_domain_separated():
         c.match_prefix(T, namespace=1.5)
     with pytest.raises(InvalidArgumentError, match="list"):
         c.insert(T, c.alloc(4), namespace=["lora", 1])
+    # a lone surrogate has no UTF-8 form: the error names the argument, and nothing changes
+    before = (c.total_size, a.num_free)
+    with pytest.raises(InvalidArgumentError, match="`namespace` strings must encode as UTF-8"):
+        c.insert(T, c.alloc(4), namespace="\ud800")
+    assert before == (c.total_size, a.num_free + 4)
 
 
 def test_insert_takes_a_reference_only_on_new_pages():

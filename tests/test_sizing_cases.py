@@ -1,9 +1,10 @@
 """The pool-sizing cases of shared/CASES.md (KVB-01, 03, 05, 07) and the issue's hand-worked
 values. Every expected number is worked out by hand in the comment beside it."""
 
-import pytest
+import copy
 
 import kvpool
+import pytest
 
 GIB = 1 << 30
 
@@ -153,7 +154,7 @@ def test_qwen3_8b_bytes_per_token():
     assert got["bf16"] / got["nvfp4"] == pytest.approx(2 / 0.5625)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16, 3])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
 def test_deepseek_v3_mla_latent_is_not_split(tp):
     # 61 layers x (512 + 64) values x 2 bytes, one latent, on every rank
     bf16 = kvpool.size_for("deepseek-ai/DeepSeek-V3", "bf16", tp_size=tp, **budget_of(GIB))
@@ -161,6 +162,31 @@ def test_deepseek_v3_mla_latent_is_not_split(tp):
     assert bf16.bytes_per_token == 61 * 576 * 2 == 70_272
     assert fp8.bytes_per_token == 61 * 576 == 35_136
     assert [b.name for b in bf16.buffers[:1]] == ["layers.0.kv"]
+
+
+def test_tp_must_split_query_heads():
+    # DeepSeek-V3's 128 query heads do not split over 3 ranks (the latent would, but attention
+    # is partitioned by query heads); nor do 32 over 64
+    with pytest.raises(kvpool.ModelConfigError, match=r"tp_size `3`.*`num_attention_heads` = 128"):
+        kvpool.size_for("deepseek-ai/DeepSeek-V3", "bf16", tp_size=3, **budget_of(GIB))
+    with pytest.raises(kvpool.ModelConfigError, match=r"tp_size `64`.*= 32"):
+        kvpool.size_for(FOUR_LAYERS, "bf16", tp_size=64, **budget_of(GIB))
+
+
+def test_query_heads_must_group_over_kv_heads():
+    cfg = {**FOUR_LAYERS, "num_key_value_heads": 6}
+    with pytest.raises(kvpool.ModelConfigError, match=r"`num_attention_heads` = 32 .* = 6"):
+        kvpool.size_for(cfg, "bf16", **budget_of(GIB))
+
+
+@pytest.mark.parametrize("field", ["linear_num_key_heads", "linear_num_value_heads",
+                                   "linear_key_head_dim", "linear_value_head_dim",
+                                   "linear_conv_kernel_dim"])
+def test_linear_attention_zero_dims_refused(field):
+    cfg = copy.deepcopy(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3-Next-80B-A3B-Thinking").config)
+    cfg[field] = 0
+    with pytest.raises(kvpool.ModelConfigError, match=f"`{field}` must be positive, got 0"):
+        kvpool.size_for(cfg, "bf16", **budget_of(GIB))
 
 
 FOUR_LAYERS = {"num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -295,3 +295,50 @@ def test_checkpoint_index_total_size_is_used(tmp_path):
         # available 4 - 1 GiB of weights; budget = 3 GiB - 4 GiB * (1 - 0.5) = 1 GiB
         assert plan.budget.weights == GIB and plan.budget.weights_source == "checkpoint"
         assert plan.budget.budget == GIB
+
+
+def test_numpy_scalars_are_numbers_like_any_other():
+    import numpy as np
+
+    ref = kvpool.size_for(LLAMA, "bf16", **OK, page_size=4, tp_size=2)
+    got = kvpool.size_for(LLAMA, "bf16", np.float32(0.5), total_memory=np.int64(2 * GIB),
+                          weights=0, page_size=np.int64(4), tp_size=np.int32(2))
+    assert (got.num_tokens, got.bytes_per_token) == (ref.num_tokens, ref.bytes_per_token)
+    assert kvpool.size_for(LLAMA, "bf16", num_tokens=np.int64(64)).num_tokens == 64
+    with pytest.raises(kvpool.LayoutError, match=r"`page_size` must be an integer, got np.True_"):
+        kvpool.size_for(LLAMA, "bf16", **OK, page_size=np.bool_(True))
+
+
+@pytest.mark.parametrize("frac", ["0.5", None, True, 1j])
+def test_mem_frac_that_is_not_a_real_number(frac):
+    with pytest.raises(kvpool.SizingError, match=r"`mem_frac` must be a real number in \(0, 1\]"):
+        kvpool.size_for(LLAMA, "bf16", frac, total_memory=2 * GIB, weights=0)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, name",
+    [
+        ({"dtype": None}, kvpool.KvDtypeError, "dtype"),
+        ({"dtype": 8}, kvpool.KvDtypeError, "dtype"),
+        ({"nvfp4_recipe": None}, kvpool.LayoutError, "nvfp4_recipe"),
+        ({"sliding_dtype": 1}, kvpool.KvDtypeError, "sliding_dtype"),
+        ({"layer_dtypes": {0: None}}, kvpool.KvDtypeError, r"layer_dtypes\[0\]"),
+        ({"model_dtype": 16}, kvpool.ModelConfigError, "model_dtype"),
+    ],
+)
+def test_names_that_are_not_strings(kw, exc, name):
+    with pytest.raises(exc, match=rf"`{name}` must be a string, got"):
+        kvpool.size_for(LLAMA, **{"dtype": "bf16", **kw}, **OK)
+
+
+@pytest.mark.parametrize("model", [None, 3, ["x"]])
+def test_model_of_the_wrong_type(model):
+    with pytest.raises(kvpool.ModelConfigError, match=r"`model` must be a ModelSpec, .* got"):
+        kvpool.size_for(model, "bf16", **OK)
+
+
+def test_config_nested_too_deeply(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(kvpool.ModelConfigError, match="nests its JSON too deeply"):
+        kvpool.size_for(p, "bf16", **OK)

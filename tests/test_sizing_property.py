@@ -20,7 +20,8 @@ def geometries(draw):
     kv = draw(st.sampled_from([1, 2, 4, 8]))
     cfg = {
         "num_hidden_layers": n_layers,
-        "num_attention_heads": kv * draw(st.sampled_from([1, 2, 4])),
+        # at least 8 query heads (powers of two): every tp below splits them, as engines require
+        "num_attention_heads": max(8, kv * draw(st.sampled_from([1, 2, 4]))),
         "num_key_value_heads": kv,
         "head_dim": 16 * draw(st.integers(1, 16)),
         "layer_types": kinds,

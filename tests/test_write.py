@@ -684,3 +684,32 @@ def test_head_sizes_that_are_not_powers_of_two(mode, dtype, heads, head_dim):
             sc.cpu() if sc is not None else 1.0,
         )
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "dtype, src, big, cap",
+    [
+        ("fp16", torch.float32, 1e6, 65504.0),  # fp16's largest finite value
+        ("fp16", torch.bfloat16, 1e6, 65504.0),  # (bf16 itself rounds 65504 up to 65536)
+        ("bf16", torch.float32, 3.4e38, 3.3895313892515355e38),  # (2 - 2^-7) * 2^127
+    ],
+)
+def test_16_bit_caches_saturate_finite_inputs(mode, dtype, src, big, cap):
+    # a finite input beyond the cache dtype's max is stored as +-max, never Inf (formats'
+    # saturation rule; a plain cast rounded it to Inf)
+    dev = device_for(mode)
+    pool = make_pool(dtype, dev)
+    k = torch.full((2, 2, 64), 3.0)
+    k[0, 0, :4] = torch.tensor([big, -big, 1.5, -0.25])
+    k = k.to(src).to(dev)
+    loc = torch.tensor([8, 9], device=dev)
+    write_kv(pool.layer(0), loc, k, k, backend=backend_for(mode))
+    for which in ("k", "v"):
+        got = dequantize_kv(pool.layer(0), loc, which)
+        assert got[0, 0, :4].float().cpu().tolist() == [cap, -cap, 1.5, -0.25]
+        assert bool((got[1].float() == 3.0).all())
+    # NaN and +-Inf are not finite inputs: they pass as the plain cast keeps them
+    y = torch.tensor([float("nan"), float("inf"), -float("inf"), big]).to(src)
+    q, _ = formats.quantize(y, dtype)
+    assert q[0].isnan() and q[1:].float().tolist() == [float("inf"), -float("inf"), cap]

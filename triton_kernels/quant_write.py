@@ -455,6 +455,15 @@ def _quant_tensor(
         x = tl.load(x_ptr + x_off, mask=m2, other=0.0)
         dst = slot[:, None] * data_row_stride + c[None, :]
         if MODE == 0:
+            # saturate as formats.quantize: a finite input beyond the cache dtype's max (fp32 or
+            # bf16 into fp16, fp32 into bf16) would round to Inf in the cast; NaN and +-Inf
+            # pass unchanged, as the plain cast keeps them
+            if data_ptr.dtype.element_ty == tl.float16:
+                if x.dtype != tl.float16:
+                    x = _saturate(x.to(tl.float32), 65504.0)
+            elif data_ptr.dtype.element_ty == tl.bfloat16:
+                if x.dtype == tl.float32:
+                    x = _saturate(x, 3.3895313892515355e38)
             tl.store(data_ptr + dst, x.to(data_ptr.dtype.element_ty), mask=m2)
         else:
             xf = x.to(tl.float32)
@@ -471,6 +480,13 @@ def _quant_tensor(
                 code = _rne_code(tl.minimum(tl.abs(y), 57344.0), 2, 15)
             b = tl.where(y != y, 0x7F, code | (sign << 7))
             tl.store(data_ptr + dst, b.to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def _saturate(x, m):
+    """fp32 ``x`` with finite values beyond +-``m`` set to +-``m``; NaN and +-Inf unchanged."""
+    over = (tl.abs(x) > m) & (tl.abs(x) < float("inf"))
+    return tl.where(over, tl.where(x > 0, m, -m), x)
 
 
 @triton.jit

@@ -71,6 +71,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ModelConfigError(f"malformed JSON in `{path}`: {e}") from None
+    except RecursionError:  # (json nests one Python frame per level)
+        raise ModelConfigError(f"`{path}` nests its JSON too deeply to be a model config") from None
     if not isinstance(data, dict):
         raise ModelConfigError(f"`{path}` holds a JSON {type(data).__name__}, not an object")
     return data
@@ -462,14 +464,18 @@ def _linear_attention(f: _Fields) -> dict[str, Any]:
     ssm_dtype = _DTYPE_NAMES.get(str(raw).lower())
     if ssm_dtype is None:
         raise ModelConfigError(f"unknown `mamba_ssm_dtype` {raw!r} in model config")
-    conv_kernel = f.int("linear_conv_kernel_dim")
-    if conv_kernel == 0:
-        raise ModelConfigError("`linear_conv_kernel_dim` must be positive, got 0")
+    # (a zero would size a linear-attention layer as holding no state at all)
+    dims = {}
+    for name in ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                 "linear_key_head_dim", "linear_value_head_dim"):  # fmt: skip
+        dims[name] = f.int(name)
+        if dims[name] == 0:
+            raise ModelConfigError(f"`{name}` must be positive, got 0")
     return {
-        "num_key_heads": f.int("linear_num_key_heads"),
-        "num_value_heads": f.int("linear_num_value_heads"),
-        "key_head_dim": f.int("linear_key_head_dim"),
-        "value_head_dim": f.int("linear_value_head_dim"),
-        "conv_kernel": conv_kernel,
+        "num_key_heads": dims["linear_num_key_heads"],
+        "num_value_heads": dims["linear_num_value_heads"],
+        "key_head_dim": dims["linear_key_head_dim"],
+        "value_head_dim": dims["linear_value_head_dim"],
+        "conv_kernel": dims["linear_conv_kernel_dim"],
         "ssm_dtype_bytes": DTYPE_BYTES[ssm_dtype],
     }

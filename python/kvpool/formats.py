@@ -227,7 +227,16 @@ def quantize(
     if not x.is_floating_point() or x.dtype in _FP8.values():
         raise ValueError(f"`x` must be fp32/bf16/fp16, got {x.dtype}")
     if dtype in _FLOAT:
-        return x.to(_FLOAT[dtype]), None
+        t = _FLOAT[dtype]
+        if torch.finfo(t).max < torch.finfo(x.dtype).max:
+            # saturate: a finite value beyond the cache dtype's max (fp32 or bf16 into fp16,
+            # fp32 into bf16) would round to Inf in the cast
+            # (in fp32: bf16 rounds fp16's max, 65504, up to 65536); NaN and +-Inf pass
+            # unchanged, as the plain cast keeps them
+            m = torch.finfo(t).max
+            x = x.float()
+            x = torch.where(x.isinf(), x, x.clamp(-m, m))
+        return x.to(t), None
     if dtype in _FP8:
         s = _scale_tensor(scale, x.device)
         return _fp8_quantize(x.float() / s, dtype), None

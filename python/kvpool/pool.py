@@ -7,6 +7,7 @@ reserved padding page.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -175,7 +176,8 @@ class KVPool:
         try:
             if isinstance(layer, bool):
                 raise TypeError
-            return self._views[layer]
+            # (an int or numpy integer; 0.0 would find layer 0 through the dict's hash)
+            return self._views[operator.index(layer)]
         except (KeyError, TypeError):
             raise KeyError(
                 f"layer `{layer}` has no KV buffers (layers with KV: "
@@ -194,16 +196,21 @@ class KVPool:
 
         One entry per model layer (entries of layers without such a scale are ignored, so pass
         the same list for every dtype). Both the write and the attention paths read them from
-        these buffers. Scales must be finite and positive; nothing changes on error.
+        these buffers. Scales are real numbers (floats, ints, numpy scalars, 0-d tensors; not
+        bools or strings), finite and positive in fp32; nothing changes on error.
 
         Raises
         ------
         ValueError
-            Wrong length, or a scale that is not finite and positive (naming the layer).
+            Wrong length, or a scale that is not a real number, too large, or not finite and
+            positive (naming the layer).
         """
+        from kvpool.scales import _scale_floats
+
         n = self.plan.spec.num_layers
         ks, vs = (
-            _scales_f32(name, s, n) for name, s in (("k_scales", k_scales), ("v_scales", v_scales))
+            _scales_f32(name, _scale_floats(name, s, n), n)
+            for name, s in (("k_scales", k_scales), ("v_scales", v_scales))
         )
         for layer, view in self._views.items():
             if view.k_scale is not None:
@@ -285,12 +292,13 @@ class KVPool:
 
         ``q`` ``[B, H_q, head_dim]``, ``page_table`` ``[B, max_pages]`` int32, ``seq_lens`` ``[B]``
         int32 -> ``[B, H_q, v_head_dim]`` in ``q``'s dtype. Keyword arguments (``sm_scale``,
-        ``window``, ``sinks``, ``softcap``, ``backend``, ``plan``, ``out``) as in
-        :func:`kvpool.attention.decode`.
+        ``window``, ``sinks``, ``softcap``, ``backend``, ``plan``, ``out``, ``debug``) as in
+        :func:`kvpool.attention.decode`; ``debug`` defaults to ``pool.debug``.
         """
         from kvpool import attention
 
         self._warn_missing_scales_once()
+        kwargs.setdefault("debug", self.debug)
         return attention.decode(self.layer(layer), q, page_table, seq_lens, **kwargs)
 
     def extend(
@@ -306,9 +314,10 @@ class KVPool:
 
         ``q`` ``[T, H_q, head_dim]`` of the new tokens (ragged by ``cu_seqlens_q`` ``[B + 1]``),
         whose K/V were already written; they attend causally to their whole sequence. Keyword
-        arguments as in :func:`kvpool.attention.extend`.
+        arguments as in :func:`kvpool.attention.extend`; ``debug`` defaults to ``pool.debug``.
         """
         from kvpool import attention
 
         self._warn_missing_scales_once()
+        kwargs.setdefault("debug", self.debug)
         return attention.extend(self.layer(layer), q, cu_seqlens_q, page_table, seq_lens, **kwargs)

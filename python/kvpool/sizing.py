@@ -6,6 +6,8 @@ so ``sum(buffer.nbytes) == plan.total_bytes`` holds to the byte. GiB here are 2^
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,9 +27,17 @@ GIB = 1 << 30
 
 
 def _int(name: str, v: Any, *, minimum: int = 0, exc: type[Exception] = SizingError) -> int:
-    """``v`` as a plain int >= ``minimum`` (bools, floats and strings are refused)."""
-    if isinstance(v, bool) or not isinstance(v, int):
+    """``v`` as a plain int >= ``minimum``.
+
+    Ints and numpy integers (anything with ``__index__``) pass; bools (Python's and numpy's),
+    floats and strings are refused.
+    """
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
         raise exc(f"`{name}` must be an integer, got {v!r}")
+    try:
+        v = operator.index(v)
+    except TypeError:
+        raise exc(f"`{name}` must be an integer, got {v!r}") from None
     if v < minimum:
         raise exc(f"`{name}` must be >= {minimum}, got {v}")
     if v >= 1 << 64:
@@ -174,7 +184,20 @@ class Plan:
         return d
 
 
+def _str(name: str, v: Any, exc: type[Exception]) -> str:
+    """``v`` if it is a string (a dtype or recipe name), else ``exc`` naming ``name``."""
+    if not isinstance(v, str):
+        raise exc(f"`{name}` must be a string, got {v!r}")
+    return v
+
+
 def _spec(model: ModelSpec | dict | str | os.PathLike[str], model_dtype: str | None) -> ModelSpec:
+    if model_dtype is not None:
+        _str("model_dtype", model_dtype, _core.ModelConfigError)
+    if not isinstance(model, (dict, str, os.PathLike, ModelSpec)):
+        raise _core.ModelConfigError(
+            f"`model` must be a ModelSpec, a config dict, a path or a hub id, got {model!r}"
+        )
     if isinstance(model, dict):
         return ModelSpec.from_dict(model, dtype=model_dtype)
     if isinstance(model, str) and not model.strip():
@@ -195,11 +218,10 @@ def _budget(
     weights: int | str | None,
     tp_size: int,
 ) -> Budget:
-    if (
-        isinstance(mem_frac, bool)
-        or not isinstance(mem_frac, (int, float))
-        or not 0 < mem_frac <= 1
-    ):
+    # (numpy floats are Reals: np.float32(0.5) is a fraction like any other)
+    if isinstance(mem_frac, bool) or not isinstance(mem_frac, numbers.Real):
+        raise SizingError(f"`mem_frac` must be a real number in (0, 1], got {mem_frac!r}")
+    if not 0 < mem_frac <= 1:
         raise SizingError(f"`mem_frac` must be in (0, 1], got {mem_frac!r}")
     if gpu is not None and total_memory is not None:
         raise SizingError("give either `gpu` or `total_memory`, not both")
@@ -326,6 +348,10 @@ def size_for(
         The budget cannot hold one page (the message says how many bytes are missing).
     """
     spec = _spec(model, model_dtype)
+    dtype = _str("dtype", dtype, _core.KvDtypeError)
+    nvfp4_recipe = _str("nvfp4_recipe", nvfp4_recipe, _core.LayoutError)
+    if sliding_dtype is not None:
+        sliding_dtype = _str("sliding_dtype", sliding_dtype, _core.KvDtypeError)
     page_size = _int("page_size", page_size, minimum=1, exc=_core.LayoutError)
     tp_size = _int("tp_size", tp_size, minimum=1, exc=_core.ModelConfigError)
     geometry = spec.geometry(tp_size)
@@ -335,7 +361,10 @@ def size_for(
         tp_size=tp_size,
         nvfp4_recipe=nvfp4_recipe,
         overrides=[
-            (_int("layer_dtypes key", k, exc=_core.LayoutError), v)
+            (
+                _int("layer_dtypes key", k, exc=_core.LayoutError),
+                _str(f"layer_dtypes[{k!r}]", v, _core.KvDtypeError),
+            )
             for k, v in (layer_dtypes or {}).items()
         ],
         sliding_dtype=sliding_dtype,

@@ -252,7 +252,8 @@ impl PageAllocator {
     /// # Errors
     /// As [`alloc`](Self::alloc).
     pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
-        let mut out = Vec::with_capacity(n);
+        // (capped: `n` is the caller's, and a request beyond the free pages fails below)
+        let mut out = Vec::with_capacity(n.min(self.free_len));
         self.alloc_into(&mut out, n)?;
         Ok(out)
     }

@@ -44,6 +44,10 @@ pub enum BatchError {
     },
     #[error("`seq_lens[{index}]` = {value}: a decode step needs at least one token (its own)")]
     EmptyDecode { index: usize, value: i64 },
+    #[error("`seq_lens[{index}]` = {value}: more tokens than int32 slot indices address (at most 2147483647)")]
+    TooLong { index: usize, value: i64 },
+    #[error("`new_pages[{index}]` = {value}: page ids start at 1 (page 0 is the padding page)")]
+    PaddingPage { index: usize, value: i32 },
     #[error("request {index}: `seq_lens` {seq} is below `prefix_lens` {prefix}")]
     SeqBeforePrefix { index: usize, prefix: i64, seq: i64 },
     #[error("request {index} needs {pages} pages, but the page table has `max_pages` = {max_pages} columns")]
@@ -88,6 +92,29 @@ fn check_lens(prefix: &[i64], seq: &[i64]) -> Result<(), BatchError> {
                 index,
                 prefix: p,
                 seq: s,
+            });
+        }
+        // Slots are int32, so no request can address more tokens; the page counts and token
+        // sums below then fit their types (int32 pages, a usize total).
+        if s > i64::from(i32::MAX) {
+            return Err(BatchError::TooLong { index, value: s });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a request whose `seq` tokens need more than `max_pages` page-table entries.
+///
+/// # Errors
+/// [`BatchError::TooManyPages`] naming the first such request.
+pub fn check_width(seq: &[i64], max_pages: usize, page_size: usize) -> Result<(), BatchError> {
+    for (index, &s) in seq.iter().enumerate() {
+        let pages = pages_for(s.max(0), page_size.max(1));
+        if pages > max_pages {
+            return Err(BatchError::TooManyPages {
+                index,
+                pages,
+                max_pages,
             });
         }
     }
@@ -185,14 +212,14 @@ pub fn assign_pages(
             got: new_pages.len(),
         });
     }
-    for (index, &s) in seq.iter().enumerate() {
-        if pages_for(s, page_size) > max_pages {
-            return Err(BatchError::TooManyPages {
-                index,
-                pages: pages_for(s, page_size),
-                max_pages,
-            });
-        }
+    check_width(seq, max_pages, page_size)?;
+    // (a negative id or the padding page would read as a hole or garbage later)
+    if let Some((index, &value)) = new_pages
+        .iter()
+        .enumerate()
+        .find(|(_, &p)| p <= PADDING_PAGE as i32)
+    {
+        return Err(BatchError::PaddingPage { index, value });
     }
     let mut next = 0;
     for (index, &n) in needed.iter().enumerate() {

@@ -20,6 +20,12 @@ pub enum ModelError {
     /// tp_size and KV heads where neither divides the other.
     #[error("tp_size `{tp_size}` does not fit `num_key_value_heads` = {num_kv_heads}: one must divide the other (KV heads per rank = max(1, {num_kv_heads} // {tp_size}))")]
     TpMismatch { tp_size: u64, num_kv_heads: u64 },
+    /// Query heads that do not group evenly over the KV heads.
+    #[error("`num_attention_heads` = {num_attention_heads} is not a multiple of `num_key_value_heads` = {num_kv_heads}: grouped-query attention shares each KV head among the same number of query heads")]
+    GroupMismatch { num_attention_heads: u64, num_kv_heads: u64 },
+    /// tp_size that does not split the query heads.
+    #[error("tp_size `{tp_size}` does not divide `num_attention_heads` = {num_attention_heads}: every rank needs whole query heads")]
+    TpQueryMismatch { tp_size: u64, num_attention_heads: u64 },
 }
 
 /// What one layer stores.
@@ -88,7 +94,8 @@ impl ModelGeometry {
     /// Checks the numbers that sizing relies on.
     ///
     /// # Errors
-    /// [`ModelError::Zero`] for a zero head count or head dim, [`ModelError::NoKvLayers`] when no
+    /// [`ModelError::Zero`] for a zero head count or head dim, [`ModelError::GroupMismatch`] when
+    /// the query heads do not group evenly over the KV heads, [`ModelError::NoKvLayers`] when no
     /// layer stores KV.
     pub fn validate(&self) -> Result<(), ModelError> {
         if self.layers.is_empty() {
@@ -124,6 +131,12 @@ impl ModelGeometry {
                     return Err(ModelError::Zero { field });
                 }
             }
+            if self.num_attention_heads % self.num_kv_heads != 0 {
+                return Err(ModelError::GroupMismatch {
+                    num_attention_heads: self.num_attention_heads,
+                    num_kv_heads: self.num_kv_heads,
+                });
+            }
         } else if let Some(m) = self.mla {
             if m.kv_lora_rank == 0 {
                 return Err(ModelError::Zero { field: "kv_lora_rank" });
@@ -139,11 +152,19 @@ impl ModelGeometry {
     /// count hold a replicated head. MLA's single latent is never split.
     ///
     /// # Errors
-    /// [`ModelError::Zero`] for `tp_size` 0, [`ModelError::TpMismatch`] when neither of
-    /// `tp_size` and `num_kv_heads` divides the other.
+    /// [`ModelError::Zero`] for `tp_size` 0, [`ModelError::TpQueryMismatch`] when `tp_size` does
+    /// not divide the query heads, [`ModelError::TpMismatch`] when neither of `tp_size` and
+    /// `num_kv_heads` divides the other.
     pub fn kv_heads_per_rank(&self, tp_size: u64) -> Result<u64, ModelError> {
         if tp_size == 0 {
             return Err(ModelError::Zero { field: "tp_size" });
+        }
+        // (attention is split by query heads; a fraction of a head per rank is no layout)
+        if self.num_attention_heads % tp_size != 0 {
+            return Err(ModelError::TpQueryMismatch {
+                tp_size,
+                num_attention_heads: self.num_attention_heads,
+            });
         }
         if self.mla.is_some() {
             return Ok(1);

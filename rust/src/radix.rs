@@ -987,7 +987,8 @@ impl RadixCache {
     ) -> Result<Vec<i32>, RadixError> {
         self.check_alloc(alloc)?;
         let free = alloc.num_free();
-        let mut out = Vec::with_capacity(n);
+        // (capped: `n` is the caller's, and more than the pool holds fails below)
+        let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
         if n > free {
             // Evict until enough pages are free; nothing changes when even evicting all would
             // not do. The pages eviction frees are handed out directly (then the free list's).

@@ -166,7 +166,7 @@ mod tests {
     use super::*;
     use crate::dtype::KvDtype;
     use crate::layout::Nvfp4Recipe;
-    use crate::model::{LinearState, Mla};
+    use crate::model::{LinearState, Mla, ModelError};
 
     const GIB: u64 = 1 << 30;
 
@@ -210,10 +210,26 @@ mod tests {
             mla: Some(Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 }),
             ..gqa(61, 128, 192)
         };
-        for tp in [1, 3, 8, 16] {
+        for tp in [1, 2, 8, 16] {
             let l = Layout::new(&m, &cfg(KvDtype::Bf16, 1, tp)).unwrap();
             assert_eq!(l.bytes_per_token(), 70_272);
         }
+        // 512 query heads do not split over 3 ranks
+        assert!(matches!(
+            Layout::new(&m, &cfg(KvDtype::Bf16, 1, 3)),
+            Err(LayoutError::Model(ModelError::TpQueryMismatch { tp_size: 3, num_attention_heads: 512 }))
+        ));
+    }
+
+    #[test]
+    fn query_heads_group_evenly_over_kv_heads() {
+        // 32 query heads over 6 KV heads: no even grouping
+        let m = ModelGeometry { num_attention_heads: 32, ..gqa(4, 6, 128) };
+        assert!(matches!(
+            m.validate(),
+            Err(ModelError::GroupMismatch { num_attention_heads: 32, num_kv_heads: 6 })
+        ));
+        assert!(gqa(4, 8, 128).validate().is_ok());
     }
 
     #[test]

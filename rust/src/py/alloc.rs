@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use super::array::{count, ints};
+use super::array::{count, ints, Int};
 use super::error::to_py;
 use crate::alloc::{AllocError, PageAllocator};
 
@@ -28,10 +28,10 @@ pub(crate) struct PyPageAllocator {
 #[pymethods]
 impl PyPageAllocator {
     #[new]
-    fn new(num_pages: i64, page_size: i64) -> PyResult<Self> {
+    fn new(num_pages: Int, page_size: Int) -> PyResult<Self> {
         let (n, ps) = (
-            count("num_pages", num_pages)?,
-            count("page_size", page_size)?,
+            count("num_pages", num_pages.0)?,
+            count("page_size", page_size.0)?,
         );
         let a = PageAllocator::new(n as u64, ps as u64).map_err(to_py)?;
         Ok(Self {
@@ -39,9 +39,9 @@ impl PyPageAllocator {
         })
     }
 
-    fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let pages = guard(&self.inner)
-            .alloc_i32(count("n", n)?)
+            .alloc_i32(count("n", n.0)?)
             .map_err(to_py)?;
         Ok(PyArray1::from_vec(py, pages))
     }
@@ -49,9 +49,9 @@ impl PyPageAllocator {
     fn try_alloc<'py>(
         &self,
         py: Python<'py>,
-        n: i64,
+        n: Int,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        match guard(&self.inner).alloc_i32(count("n", n)?) {
+        match guard(&self.inner).alloc_i32(count("n", n.0)?) {
             Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
             Err(AllocError::OutOfPages { .. }) => Ok(None),
             Err(e) => Err(to_py(e)),

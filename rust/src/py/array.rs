@@ -7,11 +7,45 @@
 use std::borrow::Cow;
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::type_object::PyTypeCheck;
+use pyo3::types::{PyBool, PyTuple};
 
 use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
 use crate::radix;
+
+/// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
+/// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page. PyO3
+/// prefixes the error with the argument's name.
+pub(crate) struct Int(pub(crate) i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<PyBool>() {
+            let b: bool = obj.extract()?;
+            let v = if b { "True" } else { "False" };
+            return Err(PyTypeError::new_err(format!(
+                "expected an integer, got the bool `{v}`"
+            )));
+        }
+        Ok(Self(obj.extract::<i64>()?))
+    }
+}
+
+/// A numpy int32 array of zeros of `shape`, made by `numpy.zeros`: a shape too large to allocate
+/// raises MemoryError there (rust-numpy's constructor panics on a failed allocation).
+pub(crate) fn zeros<'py, T: PyTypeCheck>(
+    py: Python<'py>,
+    shape: &[usize],
+) -> PyResult<Bound<'py, T>> {
+    let np = py.import("numpy")?;
+    let arr = np.call_method1("zeros", (PyTuple::new(py, shape)?, np.getattr("int32")?))?;
+    Ok(arr.cast_into::<T>()?)
+}
 
 /// A 1-D integer array, borrowed or (short int32 ones) copied.
 pub(crate) enum Ints<'py> {

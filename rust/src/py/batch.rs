@@ -3,7 +3,7 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
-use super::array::{count, ints, table};
+use super::array::{count, ints, table, zeros, Int};
 use super::error::{array_type_error, to_py};
 use crate::batch;
 
@@ -13,7 +13,7 @@ fn out1<'py>(
     len: usize,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     match out {
-        None => Ok(PyArray1::zeros(py, len, false)),
+        None => zeros::<PyArray1<i32>>(py, &[len]),
         Some(o) => o.cast_into::<PyArray1<i32>>().map_err(|e| {
             array_type_error(
                 py,
@@ -45,7 +45,7 @@ fn write1(
 fn page_table<'py>(
     py: Python<'py>,
     pages: Vec<Bound<'py, PyAny>>,
-    max_pages: Option<i64>,
+    max_pages: Option<Int>,
     out: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray2<i32>>> {
     let arrs = pages
@@ -60,19 +60,19 @@ fn page_table<'py>(
     let out = match out {
         Some(o) => table(&o, "out")?.0.clone(),
         None => {
-            let width = match max_pages {
-                Some(m) => count("max_pages", m)?,
+            let width = match &max_pages {
+                Some(m) => count("max_pages", m.0)?,
                 None => refs.iter().map(|r| r.len()).max().unwrap_or(0),
             };
-            PyArray2::zeros(py, [refs.len(), width], false)
+            zeros::<PyArray2<i32>>(py, &[refs.len(), width])?
         }
     };
     let width = out.dims()[1];
     if let Some(m) = max_pages {
-        if count("max_pages", m)? != width {
+        if count("max_pages", m.0)? != width {
             return Err(to_py(batch::BatchError::Length {
                 what: "out columns (max_pages)",
-                expected: m as usize,
+                expected: m.0 as usize,
                 got: width,
             }));
         }
@@ -95,7 +95,7 @@ fn pages_needed<'py>(
     py: Python<'py>,
     prefix_lens: &Bound<'py, PyAny>,
     seq_lens: &Bound<'py, PyAny>,
-    page_size: i64,
+    page_size: Int,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let (p, s) = (
         ints(prefix_lens, "prefix_lens")?,
@@ -104,7 +104,7 @@ fn pages_needed<'py>(
     let v = batch::pages_needed(
         &p.lens("prefix_lens")?,
         &s.lens("seq_lens")?,
-        count("page_size", page_size)?,
+        count("page_size", page_size.0)?,
     )
     .map_err(to_py)?;
     Ok(PyArray1::from_vec(py, v))
@@ -117,7 +117,7 @@ fn assign_pages(
     prefix_lens: &Bound<'_, PyAny>,
     seq_lens: &Bound<'_, PyAny>,
     new_pages: &Bound<'_, PyAny>,
-    page_size: i64,
+    page_size: Int,
 ) -> PyResult<()> {
     let py = page_table.py();
     let (t, _, width) = table(page_table, "page_table")?;
@@ -131,7 +131,7 @@ fn assign_pages(
         s.lens("seq_lens")?,
         n.pages("new_pages")?,
     );
-    let ps = count("page_size", page_size)?;
+    let ps = count("page_size", page_size.0)?;
     let mut w = t
         .try_readwrite()
         .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
@@ -149,7 +149,7 @@ fn extend_slots<'py>(
     page_table: &Bound<'py, PyAny>,
     prefix_lens: &Bound<'py, PyAny>,
     seq_lens: &Bound<'py, PyAny>,
-    page_size: i64,
+    page_size: Int,
     out: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let (t, _, width) = table(page_table, "page_table")?;
@@ -158,8 +158,10 @@ fn extend_slots<'py>(
         ints(seq_lens, "seq_lens")?,
     );
     let (p, s) = (p.lens("prefix_lens")?, s.lens("seq_lens")?);
-    let ps = count("page_size", page_size)?;
+    let ps = count("page_size", page_size.0)?;
     let total = batch::num_new_tokens(&p, &s).map_err(to_py)?;
+    // (before the output exists: a request the table cannot hold allocates nothing)
+    batch::check_width(&s, width, ps).map_err(to_py)?;
     let out = out1(py, out, total)?;
     let r = t
         .try_readonly()
@@ -178,13 +180,13 @@ fn decode_slots<'py>(
     py: Python<'py>,
     page_table: &Bound<'py, PyAny>,
     seq_lens: &Bound<'py, PyAny>,
-    page_size: i64,
+    page_size: Int,
     out: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let (t, rows, width) = table(page_table, "page_table")?;
     let s = ints(seq_lens, "seq_lens")?;
     let s = s.lens("seq_lens")?;
-    let ps = count("page_size", page_size)?;
+    let ps = count("page_size", page_size.0)?;
     let out = out1(py, out, rows)?;
     let r = t
         .try_readonly()

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, PyPageAllocator, Shared};
-use super::array::{count, ints, page_array};
+use super::array::{count, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::AllocError;
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
@@ -45,7 +45,13 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
             encode(b, &item, depth + 1)?;
         }
     } else if let Ok(s) = obj.cast::<PyString>() {
-        b.str(&s.to_cow()?);
+        // (a lone surrogate has no UTF-8 form: name the argument, not the codec)
+        let text = s.to_cow().map_err(|e| {
+            InvalidArgumentError::new_err(format!(
+                "`namespace` strings must encode as UTF-8 (lone surrogates do not): {e}"
+            ))
+        })?;
+        b.str(&text);
     } else if let Ok(by) = obj.cast::<PyBytes>() {
         b.bytes(by.as_bytes());
     } else if let Ok(i) = obj.cast::<PyInt>() {
@@ -109,12 +115,12 @@ type PathPair<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 impl PyRadixCache {
     #[new]
     #[pyo3(signature = (allocator, page_size=None))]
-    fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<i64>) -> PyResult<Self> {
+    fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<Int>) -> PyResult<Self> {
         let alloc = allocator.get().inner.clone();
         let cache = {
             let a = guard(&alloc);
             let ps = page_size
-                .map(|p| count("page_size", p))
+                .map(|p| count("page_size", p.0))
                 .transpose()?
                 .unwrap_or(a.page_size());
             RadixCache::new(&a, ps).map_err(to_py)?
@@ -191,14 +197,14 @@ impl PyRadixCache {
         guard(&self.cache).unlock(node.0).map_err(to_py)
     }
 
-    fn evict(&self, num_tokens: i64) -> PyResult<usize> {
-        let n = count("num_tokens", num_tokens)?;
+    fn evict(&self, num_tokens: Int) -> PyResult<usize> {
+        let n = count("num_tokens", num_tokens.0)?;
         let mut c = guard(&self.cache);
         c.evict(&mut guard(&self.alloc), n).map_err(to_py)
     }
 
-    fn alloc<'py>(&self, py: Python<'py>, n: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let n = count("n", n)?;
+    fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = count("n", n.0)?;
         let mut c = guard(&self.cache);
         let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
         Ok(PyArray1::from_vec(py, pages))
@@ -207,9 +213,9 @@ impl PyRadixCache {
     fn try_alloc<'py>(
         &self,
         py: Python<'py>,
-        n: i64,
+        n: Int,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        let n = count("n", n)?;
+        let n = count("n", n.0)?;
         let mut c = guard(&self.cache);
         match c.alloc_i32(&mut guard(&self.alloc), n) {
             Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
