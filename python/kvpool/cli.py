@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import kvpool
@@ -131,7 +132,7 @@ def _size(args: argparse.Namespace, console: Console) -> int:
         k: spec.layer_kinds.count(k) for k in ("full", "sliding", "linear") if k in spec.layer_kinds
     }
     console.print(
-        f"[bold]{spec.name}[/]: {spec.num_layers} layers "
+        f"[bold]{escape(spec.name)}[/]: {spec.num_layers} layers "
         f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
         + (
             f"MLA latent {spec.kv_lora_rank}+{spec.qk_rope_head_dim}"
@@ -169,7 +170,9 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     console.print(t)
     for r in results:
         if not isinstance(r, Plan):
-            console.print(f"{r[0]}: not sized: {type(r[1]).__name__}: {r[1]}", highlight=False)
+            console.print(
+                f"{r[0]}: not sized: {type(r[1]).__name__}: {escape(str(r[1]))}", highlight=False
+            )
     linear = plans[0].linear_state_bytes()
     if linear:
         console.print(
@@ -212,8 +215,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return _size(args, console)
     except (ValueError, MemoryError, OverflowError, TypeError) as e:
+        # ModelConfigError (a bad model file) is a ValueError. The message is escaped: it quotes
+        # paths and file contents, and rich would take `[/x]` in them for markup and raise.
         Console(stderr=True, soft_wrap=True).print(
-            f"[red]error:[/] {type(e).__name__}: {e}", highlight=False
+            f"[red]error:[/] {type(e).__name__}: {escape(str(e))}", highlight=False
         )
         return 2
 

@@ -36,6 +36,12 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _STRING, _ARRAY = 8, 9
 #: Arrays longer than this are skipped (recorded as ``None``) unless ``arrays=True``.
 _BIG_ARRAY = 1024
+# Arrays of arrays: llama.cpp refuses them and no writer nests deeper than a level or two, but
+# the reader recurses once per level, so a hostile file could nest past Python's recursion limit.
+_MAX_DEPTH = 16
+# GGML_MAX_DIMS: llama.cpp refuses tensors of more dimensions.
+_MAX_DIMS = 4
+_DEFAULT_ALIGNMENT = 32
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,25 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype: int, keep_arrays: bool) -> Any:
+    def value(self, vtype: int, keep_arrays: bool, key: str, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.unpack(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= _MAX_DEPTH:
+                raise ModelConfigError(
+                    f"`{self.path}`: metadata `{key}` nests arrays more than {_MAX_DEPTH} deep "
+                    f"(at byte {self.pos})"
+                )
+            at = self.pos
             etype, n = self.unpack("<I"), self.unpack("<Q")
+            # checked here, not at the first element, so that an empty array of a bad type fails too
+            if etype not in _SCALAR and etype not in (_STRING, _ARRAY):
+                raise ModelConfigError(
+                    f"`{self.path}`: metadata `{key}` is an array of unknown GGUF value type "
+                    f"{etype} (at byte {at})"
+                )
             if n > _BIG_ARRAY and not keep_arrays and etype in _SCALAR:
                 self.pos += n * struct.calcsize(_SCALAR[etype])
                 return None
@@ -102,8 +120,11 @@ class _Cursor:
                     length = self.unpack("<Q")
                     self.pos += length
                 return None
-            return [self.value(etype, keep_arrays) for _ in range(n)]
-        raise ModelConfigError(f"`{self.path}`: unknown GGUF value type {vtype} at byte {self.pos}")
+            return [self.value(etype, keep_arrays, key, depth + 1) for _ in range(n)]
+        raise ModelConfigError(
+            f"`{self.path}`: metadata `{key}` has unknown GGUF value type {vtype} "
+            f"(at byte {self.pos})"
+        )
 
 
 def read_header(path: str | os.PathLike[str], *, arrays: bool = False) -> GGUFHeader:
@@ -147,16 +168,47 @@ def _parse(c: _Cursor, p: Path, arrays: bool) -> GGUFHeader:
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = c.string()
-        meta[key] = c.value(c.unpack("<I"), arrays)
+        meta[key] = c.value(c.unpack("<I"), arrays, key)
     infos = []
     for _ in range(n_tensors):
         name = c.string()
-        shape = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
+        n_dims = c.unpack("<I")
+        if n_dims > _MAX_DIMS:
+            raise ModelConfigError(
+                f"`{p}`: tensor `{name}` has {n_dims} dimensions; GGUF allows at most {_MAX_DIMS}"
+            )
+        shape = tuple(c.unpack("<Q") for _ in range(n_dims))
         infos.append((name, shape, c.unpack("<I"), c.unpack("<Q")))
-    align = int(meta.get("general.alignment", 32))
+    align = _alignment(meta, p)
     data_start = (c.pos + align - 1) // align * align
     tensors = {n: TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos}
     return GGUFHeader(p, version, meta, tensors)
+
+
+def _alignment(meta: dict[str, Any], p: Path) -> int:
+    """``general.alignment``, checked: the data offsets are rounded up to a multiple of it.
+
+    The GGUF spec declares it a uint32 multiple of 8; llama.cpp and the ``gguf`` package refuse
+    any value that is not a nonzero power of two (a file with 4 loads there), so that is the rule
+    here: zero would divide by zero, and anything else gives offsets no loader agrees with.
+    """
+    a = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+    # bool is an int subclass (GGUF type 7); a string or float is not a count of bytes
+    if isinstance(a, bool) or not isinstance(a, int):
+        raise ModelConfigError(
+            f"`{p}`: `general.alignment` must be an unsigned integer, got {_show(a)}"
+        )
+    if not 0 < a < 1 << 32 or a & (a - 1):
+        raise ModelConfigError(
+            f"`{p}`: `general.alignment` must be a power of two in 1..2^31, got {a}"
+        )
+    return a
+
+
+def _show(v: Any, limit: int = 80) -> str:
+    """``repr`` of a metadata value, cut short: an array may hold thousands of entries."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[: limit - 3]}..."
 
 
 # ---------------------------------------------------------------------------------- geometry
@@ -175,10 +227,17 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         v = m.get(f"{arch}.{key}", default)
         if isinstance(v, list):  # per-layer values (some architectures): must agree
+            # one scalar per layer; an empty array or an array of arrays is no value at all
+            if not v or any(isinstance(x, list) for x in v):
+                raise ModelConfigError(
+                    f"`{header.path}`: `{arch}.{key}` must be a value or an array of one value "
+                    f"per layer, got {_show(v)}"
+                )
             if len(set(v)) != 1:
                 raise ModelConfigError(
-                    f"`{arch}.{key}` differs between layers ({sorted(set(v))}); kvpool's GGUF "
-                    "reader handles one value for all layers"
+                    f"`{header.path}`: `{arch}.{key}` differs between layers "
+                    f"({_show(sorted(set(v)))}); "
+                    "kvpool's GGUF reader handles one value for all layers"
                 )
             v = v[0]
         return v
@@ -189,9 +248,7 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     heads = get("attention.head_count")
     vocab = get("vocab_size")
     if vocab is None:
-        tokens = m.get("tokenizer.ggml.tokens")
-        emb = header.tensors.get("token_embd.weight")
-        vocab = len(tokens) if tokens is not None else (emb.shape[1] if emb else None)
+        vocab = _vocab_size(header)
     cfg: dict[str, Any] = {
         "model_type": arch,
         "architectures": [_ARCH_CLASS.get(arch, arch)],
@@ -224,6 +281,27 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def _vocab_size(header: GGUFHeader) -> int | None:
+    """Vocabulary size when ``{arch}.vocab_size`` is absent: the token list, else the embedding."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if tokens is not None:  # None also when the list was skipped as big (read_header(arrays=False))
+        if not isinstance(tokens, list):
+            raise ModelConfigError(
+                f"`{header.path}`: `tokenizer.ggml.tokens` must be an array, got {_show(tokens)}"
+            )
+        return len(tokens)
+    emb = header.tensors.get("token_embd.weight")
+    if emb is None:
+        return None
+    # GGUF lists the fastest dimension first: [hidden, vocab]
+    if len(emb.shape) != 2:
+        raise ModelConfigError(
+            f"`{header.path}`: tensor `token_embd.weight` has shape {list(emb.shape)}, not "
+            "[hidden, vocab]; no vocabulary size to take from it"
+        )
+    return emb.shape[1]
+
+
 _ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 
@@ -249,7 +327,13 @@ def spec_from_gguf(path: str | os.PathLike[str], *, dtype: str | None = None) ->
 
     header = read_header(path)
     cfg = config_from_gguf(header)
-    spec = ModelSpec.from_dict(cfg, name=str(header.path), dtype=dtype or "fp32")
+    try:
+        spec = ModelSpec.from_dict(cfg, name=str(header.path), dtype=dtype or "fp32")
+    except ModelConfigError as e:
+        # from_dict names the Hugging Face field (`num_key_value_heads`); say which file it was
+        if str(header.path) in str(e):
+            raise
+        raise ModelConfigError(f"`{header.path}`: {e}") from None
     return spec if dtype is not None else replace(spec, dtype_source="gguf")
 
 
@@ -346,16 +430,36 @@ def load_gguf_weights(
     raw = np.memmap(header.path, dtype=np.uint8, mode="r")
     out: dict[str, torch.Tensor] = {}
     for info in header.tensors.values():
-        qtype = GGMLQuantizationType(info.ggml_type)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(info.shape))
+        try:
+            qtype = GGMLQuantizationType(info.ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ModelConfigError(
+                f"`{header.path}`: tensor `{info.name}` has unknown GGML type {info.ggml_type}"
+            ) from None
+        try:
+            name = hf_name(info.name)
+        except KeyError as e:  # the docstring's promise: a ModelConfigError naming the file
+            raise ModelConfigError(f"`{header.path}`: {e.args[0]}") from None
+        # rows are whole quantization blocks; a bad shape or offset would otherwise surface as a
+        # numpy reshape error naming neither the file nor the tensor
+        if not info.shape or info.shape[0] % block:
+            raise ModelConfigError(
+                f"`{header.path}`: tensor `{info.name}` has shape {list(info.shape)}; "
+                f"{qtype.name} needs rows of a multiple of {block} values"
+            )
+        n = int(np.prod(info.shape, dtype=object))
         nbytes = n // block * type_size
+        if info.offset + nbytes > raw.size:
+            raise ModelConfigError(
+                f"`{header.path}` is truncated: tensor `{info.name}` needs bytes "
+                f"{info.offset}..{info.offset + nbytes}, the file has {raw.size}"
+            )
         data = raw[info.offset : info.offset + nbytes]
         # GGUF lists the fastest dimension first; rows of the byte view follow the reversed shape.
         shape = tuple(reversed(info.shape))
         rows = data.reshape(*shape[:-1], shape[-1] // block * type_size)
         w = dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
-        name = hf_name(info.name)
         if name.endswith("q_proj.weight"):
             w = unpermute_qk(w, heads)
         elif name.endswith("k_proj.weight"):
@@ -390,8 +494,15 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Any:
         raise ModelConfigError(
             f"`{h.path}`: tokenizer model `{kind}` is not supported (byte-level BPE `gpt2` only)"
         )
-    tokens: list[str] = m["tokenizer.ggml.tokens"]
-    merges = [tuple(x.split(" ", 1)) for x in m.get("tokenizer.ggml.merges") or []]
+    tokens: list[str] = m.get("tokenizer.ggml.tokens")  # type: ignore[assignment]
+    merges_raw = m.get("tokenizer.ggml.merges") or []
+    # the tokenizers package would fail on anything else with a message naming neither
+    for key, v in (("tokenizer.ggml.tokens", tokens), ("tokenizer.ggml.merges", merges_raw)):
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise ModelConfigError(
+                f"`{h.path}`: `{key}` must be an array of strings, got {_show(v)}"
+            )
+    merges = [tuple(x.split(" ", 1)) for x in merges_raw]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if m.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "codeshell"):
