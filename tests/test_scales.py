@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -313,3 +315,121 @@ def test_scales_from_any_source_never_warn(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             pool.write(0, torch.tensor([4]), torch.ones(1, 2, 16), torch.ones(1, 2, 16))
+
+
+# --- API attack: bad input raises naming the value (and layer) and changes nothing ----------
+
+
+def set_pool(layers=2):
+    pool = make_pool(layers=layers)
+    pool.set_kv_scales([0.5, 0.25], [2.0, 4.0], source="before")
+    return pool, pool_scales(pool)
+
+
+def test_huge_int_scale_raises_value_error_naming_the_layer(tmp_path):
+    pool, before = set_pool()
+    with pytest.raises(
+        ValueError,
+        match=r"`k_scales\[0\]` = 1000.*\(401 chars\): too large for a float.*\(layer 0\)",
+    ):
+        pool.set_kv_scales([10**400, 1.0], [1.0, 1.0])  # was OverflowError
+    with pytest.raises(ValueError, match=r"`v_scales\[1\]` = <an int of 16610 bits>.*\(layer 1\)"):
+        pool.set_kv_scales([1.0, 1.0], [1.0, 10**5000])
+    path = tmp_path / "kv_scales.json"
+    path.write_text(
+        '{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 1.0, "1": %s}}}}'
+        % ("1" * 400)
+    )
+    with pytest.raises(ValueError, match=r"layer 1: scale = 1111.*\(400 chars\) is too large"):
+        scales.load_json_scales(pool, path)
+    assert pool_scales(pool) == before == [(0.5, 2.0), (0.25, 4.0)]
+    assert pool.scales_source == "before"
+
+
+def test_json_non_string_dtype_and_bad_layer_keys_raise_value_error():
+    with pytest.raises(ValueError, match=r"`dtype` = \['x'\]; expected one of float8_e4m3fn"):
+        scales.read_json_scales({"kv_cache": {"dtype": ["x"], "scaling_factor": {}}})
+    for key in (None, 1.5, True, "1_0", " 1", "-1"):
+        doc = {"kv_cache": {"dtype": "nvfp4", "scaling_factor": {"0": {key: 1.0}}}}
+        with pytest.raises(ValueError, match=rf"layer key {re.escape(repr(key))} is not a layer"):
+            scales.read_json_scales(doc)
+    with pytest.raises(ValueError, match=r"ranks in the file: \['1', None\]"):
+        scales.read_json_scales(
+            {"kv_cache": {"dtype": "nvfp4", "scaling_factor": {None: {}, "1": {}}}}
+        )
+
+
+def test_json_duplicate_layers_conflict_like_the_checkpoint_loader(tmp_path):
+    pool, before = set_pool()
+    doc = {
+        "kv_cache": {
+            "dtype": "float8_e4m3fn",
+            "scaling_factor": {"0": {"0": 0.5, "1": 0.5, "01": 0.25}},
+        }
+    }
+    with pytest.raises(ValueError, match="layer 1: conflicting scales '1': 0.5 and '01': 0.25"):
+        scales.load_json_scales(pool, doc)
+    raw = '{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {"0": 1.0, "1": %s}}}}'
+    path = tmp_path / "dup.json"
+    path.write_text(raw % '2.0, "1": 3.0')  # json.loads alone keeps the last
+    with pytest.raises(ValueError, match="layer 1: conflicting scales '1': 2.0 and '1': 3.0"):
+        scales.load_json_scales(pool, path)
+    path.write_text(
+        raw.replace('"dtype": "float8_e4m3fn"', '"dtype": "float8_e4m3fn", "dtype": "nvfp4"')
+        % "2.0"
+    )
+    with pytest.raises(ValueError, match="has key 'dtype' twice, with different values"):
+        scales.load_json_scales(pool, path)
+    assert pool_scales(pool) == before and pool.scales_source == "before"
+    # identical duplicates are accepted, as the checkpoint loader accepts equal duplicates
+    path.write_text(raw % '[2.0, 4.0], "01": [2.0, 4.0], "1": [2.0, 4.0]')
+    scales.load_json_scales(pool, path)
+    assert pool_scales(pool) == [(1.0, 1.0), (2.0, 4.0)]
+
+
+def test_set_kv_scales_accepts_real_number_scalars():
+    pool = make_pool(layers=2)
+    pool.set_kv_scales([np.float32(0.5), torch.tensor(0.25)], [np.int64(2), torch.tensor(4)])
+    assert pool_scales(pool) == [(0.5, 2.0), (0.25, 4.0)]
+    pool.set_kv_scales(torch.tensor([0.125, 8.0]), np.array([0.5, 1.0]))
+    assert pool_scales(pool) == [(0.125, 0.5), (8.0, 1.0)]
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        (True, "True: scales are real numbers"),
+        (np.True_, "np.True_: scales are real numbers"),
+        (torch.tensor(True), r"tensor\(True\): scales are real numbers"),
+        ("0.5", "'0.5': scales are real numbers"),
+        (torch.tensor([0.5]), r"tensor\(\[0.5000\]\): scales are real numbers"),
+        (float("nan"), "nan: scales must be finite and > 0"),
+        (np.float64("inf"), "inf: scales must be finite and > 0"),
+        (torch.tensor(0.0), "0.0: scales must be finite and > 0"),
+        (np.float32(-1.0), "-1.0: scales must be finite and > 0"),
+    ],
+)
+def test_set_kv_scales_refuses_non_real_or_bad_scalars_naming_the_layer(bad, msg):
+    pool, before = set_pool()
+    with pytest.raises(ValueError, match=rf"`k_scales\[1\]` = {msg}.*\(layer 1\)"):
+        pool.set_kv_scales([1.0, bad], [1.0, 1.0])
+    assert pool_scales(pool) == before and pool.scales_source == "before"
+
+
+def test_calibrator_layer_count_and_index_are_ints():
+    for n in (2.5, True, 0, -1, "2"):
+        with pytest.raises(
+            ValueError, match=r"`num_layers` = .*: the layer count must be an int >= 1"
+        ):
+            scales.Calibrator(n, "fp8_e4m3")
+    assert scales.Calibrator(np.int64(2), "fp8_e4m3").num_layers == 2
+    cal = scales.Calibrator(2, "fp8_e4m3")
+    cal.observe(0, torch.full((1, 1, 4), 448.0))
+    for layer in (0.5, True, np.True_, torch.tensor(True), "1"):
+        with pytest.raises(ValueError, match=r"`layer` = .*: a layer index must be an int"):
+            cal.observe(layer, torch.full((1, 1, 4), 896.0))
+    with pytest.raises(ValueError, match="layer 1: `v` is a list, not a tensor"):
+        cal.observe(1, torch.full((1, 1, 4), 896.0), [1.0])  # k is not folded in either
+    assert cal.amax() == ({0: 448.0}, {0: 448.0})
+    cal.observe(np.int64(1), torch.full((1, 1, 4), 896.0))
+    assert cal.scales() == ([1.0, 2.0], [1.0, 2.0])

@@ -17,7 +17,8 @@ the buffers both the write kernels and the attention kernels read.
   layer.
 - :func:`load_json_scales`: ``{"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor":
   {"<tp_rank>": {"<layer>": s}}}}``, ``s`` one number (k = v) or ``[k, v]``. A missing rank or
-  layer, or a dtype that does not match the pool, raises (never a silent 1.0).
+  layer, a dtype that does not match the pool, or a layer given twice with different scales
+  (``"1"`` and ``"01"``, or a repeated key) raises (never a silent 1.0 or last-one-wins).
 - :class:`Calibrator` / :func:`calibrate`: amax of sample K/V per layer (a stream of batches,
   reduced on the device); fp8 scale = amax / format max (optionally rounded up to a power of
   two), nvfp4 global scale = amax / (6 * 448); :meth:`Calibrator.write_json` writes the JSON
@@ -32,6 +33,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
+import operator
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -111,6 +114,88 @@ def _check_scale(layer: int, what: str, x: float) -> float:
     if not (x > 0 and math.isfinite(x)):
         raise ValueError(f"layer {layer}: {what} = {x}; KV scales must be finite and > 0")
     return x
+
+
+def _show(x: Any, limit: int = 60) -> str:
+    """``repr(x)`` for an error message, shortened (a 400-digit int, a whole JSON object)."""
+    try:
+        r = repr(x)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return f"<an int of {x.bit_length()} bits>"
+    return r if len(r) <= limit else f"{r[: limit // 2]}...{r[-limit // 4 :]} ({len(r)} chars)"
+
+
+def _is_bool(x: Any) -> bool:
+    """A bool, numpy bool or bool tensor (all of which would pass as 0/1)."""
+    return isinstance(x, bool) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
+
+
+def _int_arg(name: str, x: Any, hint: str) -> int:
+    """``x`` as an int: ints and numpy/0-d tensor integers, never bools or floats."""
+    if not _is_bool(x):
+        try:
+            return operator.index(x)
+        except TypeError:
+            pass
+    raise ValueError(f"`{name}` = {_show(x)}: {hint}")
+
+
+def _real_float(x: Any) -> float:
+    """A real-number scalar as a float.
+
+    numbers.Real (numpy floating/integer scalars included), 0-d real numpy arrays and tensors.
+    TypeError for anything else (bools, strings, complex, sequences); OverflowError for an int
+    too large for a float.
+    """
+    if _is_bool(x) or isinstance(x, (str, bytes)):
+        raise TypeError(type(x).__name__)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    import numpy as np
+
+    if isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf":
+        return float(x)
+    import torch
+
+    if isinstance(x, torch.Tensor) and x.ndim == 0 and not x.dtype.is_complex:
+        try:
+            return float(x.item())
+        except RuntimeError:  # meta tensors hold no value
+            raise TypeError("a tensor without a value") from None
+    raise TypeError(type(x).__name__)
+
+
+def _scale_floats(name: str, scales: Any, n: int) -> list[float]:
+    """``pool.set_kv_scales``'s per-layer scales as floats (range checks are the pool's).
+
+    Raises
+    ------
+    ValueError
+        Not a sequence, the wrong length, or an entry that is no real number or is too large for
+        a float (naming the entry and its layer).
+    """
+    try:
+        vals = list(scales)
+    except TypeError:
+        raise ValueError(
+            f"`{name}` = {_show(scales)}: expected one scale per layer ({n})"
+        ) from None
+    if len(vals) != n:
+        raise ValueError(f"`{name}` has {len(vals)} entries, the model has {n} layers")
+    out = []
+    for i, x in enumerate(vals):
+        try:
+            out.append(_real_float(x))
+        except TypeError:
+            raise ValueError(
+                f"`{name}[{i}]` = {_show(x)}: scales are real numbers (layer {i})"
+            ) from None
+        except OverflowError:
+            raise ValueError(
+                f"`{name}[{i}]` = {_show(x)}: too large for a float; scales must be finite and "
+                f"> 0 in fp32 (layer {i})"
+            ) from None
+    return out
 
 
 def _scaled_layers(pool: KVPool) -> dict[int, str]:
@@ -265,6 +350,68 @@ def load_checkpoint_scales(
 # --- JSON scale files -----------------------------------------------------------------------
 
 
+class _JSONObject(dict):
+    """A parsed JSON object; ``pairs`` keeps the raw (key, value) pairs when a key repeats."""
+
+    pairs: list[tuple[str, Any]] | None = None
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> _JSONObject:
+    d = _JSONObject(pairs)
+    if len(d) != len(pairs):
+        d.pairs = pairs
+    return d
+
+
+def _json_int(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:  # beyond sys.get_int_max_str_digits(): far too large for any scale
+        return float(text)
+
+
+def _no_conflicting_keys(obj: Any, where: str, what: str) -> None:
+    """Refuse a key that a JSON object repeats with different values (json keeps the last)."""
+    seen: dict[str, Any] = {}
+    for key, val in getattr(obj, "pairs", None) or ():
+        if key in seen and seen[key] != val:
+            raise ValueError(
+                f"scale file {where}: {what} has key {key!r} twice, with different values "
+                f"{_show(seen[key])} and {_show(val)}"
+            )
+        seen[key] = val
+
+
+def _json_layer(key: Any, where: str) -> int:
+    if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
+        try:
+            return int(key)
+        except ValueError:  # beyond sys.get_int_max_str_digits()
+            pass
+    elif not _is_bool(key):
+        try:
+            layer = operator.index(key)
+        except TypeError:
+            pass
+        else:
+            if layer >= 0:
+                return layer
+    raise ValueError(
+        f"scale file {where}: layer key {_show(key)} is not a layer index (an integer >= 0)"
+    )
+
+
+def _json_scale(where: str, layer: int, what: str, x: Any) -> float:
+    try:
+        f = float(x)
+    except OverflowError:
+        raise ValueError(
+            f"scale file {where}: layer {layer}: {what} = {_show(x)} is too large for a float; "
+            f"KV scales must be finite and > 0"
+        ) from None
+    return _check_scale(layer, what, f)
+
+
 def read_json_scales(
     src: str | Path | Mapping[str, Any], tp_rank: int = 0
 ) -> tuple[str, dict[int, float], dict[int, float]]:
@@ -280,14 +427,17 @@ def read_json_scales(
     ------
     ValueError
         Malformed file, unknown dtype, missing ``tp_rank`` (the ranks present are listed),
-        bad values (naming the layer).
+        bad values or layer keys, a layer given twice with different scales (``"1"`` and
+        ``"01"``, or a repeated key; naming the layer), a key repeated with different values.
     """
     where = str(src) if not isinstance(src, Mapping) else "<dict>"
     if isinstance(src, Mapping):
         doc: Any = src
     else:
         try:
-            doc = json.loads(Path(src).read_text())
+            doc = json.loads(
+                Path(src).read_text(), object_pairs_hook=_json_object, parse_int=_json_int
+            )
         except (OSError, ValueError) as e:
             raise ValueError(f"scale file {where}: {e}") from None
     try:
@@ -299,44 +449,54 @@ def read_json_scales(
             f'scale file {where}: expected {{"kv_cache": {{"dtype": ..., "scaling_factor": '
             f'{{"<tp_rank>": {{"<layer>": s or [k, v]}}}}}}}}'
         ) from None
-    dtype = JSON_DTYPES.get(dtype_name, dtype_name if dtype_name in SCALED_DTYPES else None)
+    _no_conflicting_keys(doc, where, "the top-level object")
+    _no_conflicting_keys(kv, where, '"kv_cache"')
+    dtype = None
+    if isinstance(dtype_name, str):
+        dtype = JSON_DTYPES.get(dtype_name, dtype_name if dtype_name in SCALED_DTYPES else None)
     if dtype is None:
         raise ValueError(
-            f"scale file {where}: `dtype` = {dtype_name!r}; "
+            f"scale file {where}: `dtype` = {_show(dtype_name)}; "
             f"expected one of {', '.join(JSON_DTYPES)}"
         )
     if not isinstance(by_rank, Mapping) or str(tp_rank) not in by_rank:
-        ranks = sorted(by_rank) if isinstance(by_rank, Mapping) else []
+        ranks = sorted(by_rank, key=str) if isinstance(by_rank, Mapping) else []
         raise ValueError(
             f"scale file {where}: no scales for tp rank {tp_rank} (ranks in the file: {ranks})"
         )
+    _no_conflicting_keys(by_rank, where, '"scaling_factor"')
     layers = by_rank[str(tp_rank)]
     if not isinstance(layers, Mapping):
         raise ValueError(
-            f"scale file {where}: tp rank {tp_rank} holds {layers!r}, expected "
+            f"scale file {where}: tp rank {tp_rank} holds {_show(layers)}, expected "
             '{"<layer>": s or [k, v]}'
         )
+    pairs = getattr(layers, "pairs", None) or list(layers.items())
     k: dict[int, float] = {}
     v: dict[int, float] = {}
-    for key, s in layers.items():
-        try:
-            layer = int(key)
-        except ValueError:
-            raise ValueError(f"scale file {where}: layer key {key!r} is not an integer") from None
+    first: dict[int, tuple[Any, Any]] = {}
+    for key, s in pairs:
+        layer = _json_layer(key, where)
         if isinstance(s, (int, float)) and not isinstance(s, bool):
-            ks = vs = float(s)
+            ks = vs = _json_scale(where, layer, "scale", s)
         elif (
             isinstance(s, (list, tuple))
             and len(s) == 2
             and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in s)
         ):
-            ks, vs = float(s[0]), float(s[1])
+            ks = _json_scale(where, layer, "k scale", s[0])
+            vs = _json_scale(where, layer, "v scale", s[1])
         else:
             raise ValueError(
-                f"scale file {where}: layer {layer}: {s!r} is neither a number nor [k, v]"
+                f"scale file {where}: layer {layer}: {_show(s)} is neither a number nor [k, v]"
             )
-        k[layer] = _check_scale(layer, "k scale", ks)
-        v[layer] = _check_scale(layer, "v scale", vs)
+        if layer in first and (k[layer], v[layer]) != (ks, vs):
+            raise ValueError(
+                f"scale file {where}: layer {layer}: conflicting scales "
+                f"{_show(first[layer][0])}: {_show(first[layer][1])} and {_show(key)}: {_show(s)}"
+            )
+        first.setdefault(layer, (key, s))
+        k[layer], v[layer] = ks, vs
     return dtype, k, v
 
 
@@ -399,9 +559,10 @@ class Calibrator:
                 f"`dtype` = {dtype!r} has no per-layer scales to calibrate; "
                 f"expected one of {', '.join(SCALED_DTYPES)}"
             )
-        if num_layers <= 0:
-            raise ValueError(f"`num_layers` must be positive, got {num_layers}")
-        self.num_layers = num_layers
+        n = _int_arg("num_layers", num_layers, "the layer count must be an int >= 1")
+        if n < 1:
+            raise ValueError(f"`num_layers` = {n}: the layer count must be an int >= 1")
+        self.num_layers = n
         self.dtype = dtype
         self._amax: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -409,14 +570,20 @@ class Calibrator:
         """Fold one batch of layer ``layer``'s K (and V) into the running amax (no host sync)."""
         import torch
 
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"`layer` = {layer}, the model has {self.num_layers} layers")
+        n = self.num_layers
+        i = _int_arg("layer", layer, f"a layer index must be an int (the model has {n} layers)")
+        if not 0 <= i < n:
+            raise ValueError(f"`layer` = {i}, the model has {n} layers")
+        new: dict[tuple[int, str], torch.Tensor] = {}  # all checked before any is folded in
         for which, x in (("k", k), ("v", v)):
             if x is None:
                 continue
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"layer {i}: `{which}` is a {type(x).__name__}, not a tensor")
             a = x.detach().abs().amax().float() if x.numel() else torch.zeros((), device=x.device)
-            prev = self._amax.get((layer, which))
-            self._amax[(layer, which)] = a if prev is None else torch.maximum(prev, a)
+            prev = self._amax.get((i, which))
+            new[(i, which)] = a if prev is None else torch.maximum(prev, a)
+        self._amax.update(new)
 
     def amax(self) -> tuple[dict[int, float], dict[int, float]]:
         """Per-layer amax of K and V seen so far (a layer seen only with K gives V the same)."""
