@@ -490,7 +490,7 @@ def test_reference_path_refuses_pages_outside_the_pool():
                                      cache.seq_lens, backend="torch"),
         ):
             with pytest.raises(ValueError, match=rf"`page_table\[0, 0\]` = {bad} is outside the "
-                                                 r"pool's pages 0\.\.4"):
+                                                 r"pool's pages 1\.\.4"):
                 call()
     pt = cache.page_table.clone()
     pt[0, 0] = 4  # the last page is fine
@@ -1542,3 +1542,187 @@ def test_word_decode_plan_reused_on_unaligned_rows_interpreted():
     out = attention.decode(view, q, plan=plan, sm_scale=0.2, backend="triton")
     ref = oracle(cache, q, [[4], [39]], [[0], [1]], sm_scale=0.2)
     assert rel_err(out, ref) < TOL["fp8_e4m3"]
+
+
+# ----------------------------------------------------------------------------- API attack fixes:
+# cu_seqlens_q values, option types, the padding page (review of the attention API)
+
+
+def _i32(*xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def _attack_cache():
+    """bf16, 2 KV heads, head_dim 16, page_size 4, one request of 8 tokens on 2 pages."""
+    return Cache("bf16", [8], heads=2, d=16, page=4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton on CPU: checked before launch
+def test_extend_refuses_cu_seqlens_q_that_does_not_fit_q(backend):
+    """cu_seqlens_q must run from 0, non-decreasing, to T = q rows: before, [0, 2] with 4 rows
+    left rows 2-3 zero, [1, 4] left row 0 zero, [0, 6] raised a bare torch error and [0, -3]
+    "upper bound and lower bound inconsistent"."""
+    c = _attack_cache()
+    pt, sl = c.page_table, c.seq_lens
+    q = torch.randn(4, 4, 16).to(torch.bfloat16)
+    cases = [
+        (q, _i32(0, 2), r"`cu_seqlens_q\[1\]` = 2: must equal T = 4, the rows of `q`"),
+        (q, _i32(1, 4), r"`cu_seqlens_q\[0\]` = 1: must be 0"),
+        (q, _i32(0, 6), r"`cu_seqlens_q\[1\]` = 6: must equal T = 4"),
+        (q[:0], _i32(0, -3), r"`cu_seqlens_q\[1\]` = -3 is less than `cu_seqlens_q\[0\]` = 0"),
+    ]
+    for qq, cu, msg in cases:
+        out = torch.full((qq.shape[0], 4, 16), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=msg):
+            attention.extend(c.view, qq, cu, pt, sl, backend=backend, out=out)
+        assert bool((out == 7).all())
+    # a request's new tokens are the last of its seq_len: more of them than seq_len is refused
+    c2 = Cache("bf16", [8, 3], heads=2, d=16, page=4)
+    q5 = torch.randn(9, 4, 16).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"`seq_lens\[1\]` = 3 is shorter than its 4 new tokens"):
+        attention.extend(c2.view, q5, _i32(0, 5, 9), c2.page_table, c2.seq_lens, backend=backend)
+    # a cu_seqlens_q that does fit still works (and an empty request in the middle)
+    if backend == "torch":
+        out, ref = run_extend(c2, 4, [5, 0], backend="torch")
+        assert rel_err(out, ref) < TOL["bf16"]
+    # plan_extend reads cu_seqlens_q on the host: it checks the order there too
+    with pytest.raises(ValueError, match=r"`cu_seqlens_q\[1\]` = -3 is less than"):
+        attention.plan_extend(c.view, 4, _i32(0, -3), pt, sl)
+    with pytest.raises(ValueError, match=r"`cu_seqlens_q\[0\]` = 2: must be 0"):
+        attention.plan_extend(c.view, 4, _i32(2, 4), pt, sl)
+
+
+def test_pool_extend_refuses_cu_seqlens_q_that_does_not_fit_q():
+    """The reported case, through KVPool.extend (CPU: the torch path)."""
+    import kvpool
+    from kvpool.config import bundled_models
+
+    plan = kvpool.size_for(
+        bundled_models()[0], "bf16", 0.9, num_tokens=64, page_size=4, weights=0, gpu="H200"
+    )
+    pool = kvpool.KVPool(plan, device="cpu")
+    view = pool.layer(0)
+    q = torch.randn(4, view.num_kv_heads, view.head_dim).to(torch.bfloat16)
+    pt, sl = _i32(1, 2).reshape(1, 2), _i32(8)
+    for cu in (_i32(0, 2), _i32(1, 4), _i32(0, 6)):
+        with pytest.raises(ValueError, match="`cu_seqlens_q"):
+            pool.extend(0, q, cu, pt, sl)
+    with pytest.raises(ValueError, match="`cu_seqlens_q"):
+        pool.extend(0, q[:0], _i32(0, -3), pt, sl)
+    with pytest.raises(ValueError, match=r"`page_table\[0, 1\]` = 0 is the reserved padding"):
+        pool.decode(0, q[:1], _i32(1, 0).reshape(1, 2), sl)
+
+
+NOT_NUMBERS = [True, False, "x", "1.0", None, torch.tensor(1.0), [1.0], 1j]
+
+
+@pytest.mark.parametrize("what", ["decode", "extend"])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        *[({"sm_scale": v}, f"`sm_scale` = {v!r}: must be") for v in NOT_NUMBERS if v is not None],
+        *[({"softcap": v}, f"`softcap` = {v!r}: must be") for v in NOT_NUMBERS if v is not None],
+        *[
+            ({k: v}, f"`{k}` = {v!r}: must be finite and > 0")
+            for k in ("sm_scale", "softcap")
+            for v in (float("nan"), float("inf"), -float("inf"), 0.0, -1, 10**400)
+        ],
+        *[
+            ({"window": v}, f"`window` = {v!r}: must be an int >= 1")
+            for v in (True, False, float("nan"), float("inf"), 4.0, "4", 0, -3)
+        ],
+    ],
+)
+def test_options_refuse_bools_strings_and_non_finite_values(what, kw, msg):
+    """Before: window=True raised a torch NotImplementedError, NaN/Inf windows "cannot convert
+    float NaN to integer"/OverflowError, sm_scale/softcap "x" an unnamed float() error, and
+    sm_scale=True / softcap=True passed as 1.0."""
+    c = _attack_cache()
+    q = torch.randn(1, 4, 16).to(torch.bfloat16)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            if what == "decode":
+                attention.decode(c.view, q, c.page_table, c.seq_lens, backend=backend, **kw)
+            else:
+                attention.extend(
+                    c.view, q, _i32(0, 1), c.page_table, c.seq_lens, backend=backend, **kw
+                )
+
+
+def test_options_accept_numpy_scalars_and_huge_windows():
+    np = pytest.importorskip("numpy")
+    c = _attack_cache()
+    q = torch.randn(1, 4, 16).to(torch.bfloat16)
+    ref = attention.decode(c.view, q, c.page_table, c.seq_lens, sm_scale=0.25, window=4,
+                           softcap=30.0)
+    for sm, win, cap in [(np.float32(0.25), np.int64(4), np.float64(30.0)),
+                         (np.float64(0.25), np.int32(4), np.int64(30)), (0.25, 4, 30)]:
+        got = attention.decode(c.view, q, c.page_table, c.seq_lens, sm_scale=sm, window=win,
+                               softcap=cap)
+        assert torch.equal(got, ref)
+        got = attention.extend(c.view, q, _i32(0, 1), c.page_table, c.seq_lens, sm_scale=sm,
+                               window=win, softcap=cap)
+        assert torch.equal(got, ref)
+    # a window longer than any sequence (beyond int32) is no window
+    full = attention.decode(c.view, q, c.page_table, c.seq_lens, sm_scale=0.25)
+    for win in (8, 1 << 40, np.int64(1 << 62)):
+        assert torch.equal(
+            attention.decode(c.view, q, c.page_table, c.seq_lens, sm_scale=0.25, window=win), full
+        )
+    assert attention._check_options(1 << 40, np.float32(2), None, 4, "cpu") == ((1 << 31) - 1, 2.0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # triton on CPU: checked before launch
+def test_padding_page_and_bad_page_ids_refused(backend):
+    """Page 0 is the reserved padding page (kvpool._core never allocates it): read as a
+    request's tokens, it gave uninitialized values (~4e37) on the torch path. Ids past a
+    request's seq_len are never read, so anything goes there."""
+    c = _attack_cache()  # 1 + 2 + 3 extra pages = 6 pages
+    assert c.view.k.shape[0] == 6 * 4
+    q = torch.randn(1, 4, 16).to(torch.bfloat16)
+    sl = _i32(8)
+    cu = _i32(0, 1)
+    for row, bad, msg in [
+        ([1, 0], (0, 1), r"`page_table\[0, 1\]` = 0 is the reserved padding page, read as "
+                         r"request 0's tokens \(seq_len 8\): page ids must be in 1\.\.5"),
+        ([0, 2], (0, 0), r"`page_table\[0, 0\]` = 0 is the reserved padding page"),
+        ([1, -1], (0, 1), r"`page_table\[0, 1\]` = -1 is outside the pool's pages 1\.\.5 "
+                          r"\(request 0, seq_len 8; page 0 is the reserved padding page\)"),
+        ([6, 2], (0, 0), r"`page_table\[0, 0\]` = 6 is outside the pool's pages 1\.\.5"),
+    ]:
+        pt = _i32(*row, 0, -5).reshape(1, 4)
+        out = torch.full((1, 4, 16), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=msg):
+            attention.decode(c.view, q, pt, sl, backend=backend, out=out)
+        with pytest.raises(ValueError, match=msg):
+            attention.extend(c.view, q, cu, pt, sl, backend=backend, out=out)
+        assert bool((out == 7).all()), bad
+    if backend == "torch":
+        with pytest.raises(ValueError, match="is the reserved padding page"):
+            attention.reference_decode(c.view, q, _i32(1, 0).reshape(1, 2), sl)
+        with pytest.raises(ValueError, match="is the reserved padding page"):
+            attention.reference_extend(c.view, q, cu, _i32(0, 2).reshape(1, 2), sl)
+    # entries past seq_len (4 tokens: one page) are not read: 0 or garbage there is fine
+    pt = _i32(c.page_table[0, 0].item(), 0, -5, 99).reshape(1, 4)
+    attention.decode(c.view, q, pt, _i32(4), backend="torch")
+    # the second request of a batch is named
+    c2 = Cache("bf16", [8, 5], heads=2, d=16, page=4)
+    pt2 = c2.page_table.clone()
+    pt2[1, 1] = 0
+    with pytest.raises(ValueError, match=r"`page_table\[1, 1\]` = 0 .* request 1's tokens"):
+        attention.decode(c2.view, torch.randn(2, 4, 16).to(torch.bfloat16), pt2, c2.seq_lens,
+                         backend=backend)
+
+
+@gpu
+def test_batch_value_checks_on_the_gpu_are_a_debug_option():
+    """On CUDA tensors the kernel path reads no device values unless ``debug=True``."""
+    c = Cache("bf16", [8], heads=2, d=16, page=4, device="cuda")
+    q = torch.randn(1, 4, 16, device="cuda").to(torch.bfloat16)
+    pt = torch.tensor([[1, 0]], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+    attention.decode(c.view, q, pt, c.seq_lens)  # not checked: no host sync
+    with pytest.raises(ValueError, match="is the reserved padding page"):
+        attention.decode(c.view, q, pt, c.seq_lens, debug=True)
+    with pytest.raises(ValueError, match=r"`cu_seqlens_q\[1\]` = 2: must equal T = 1"):
+        attention.extend(c.view, q, cu, c.page_table, c.seq_lens, debug=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import operator
 import os
 import re
@@ -160,22 +161,133 @@ def _group(view: LayerView, num_q_heads: int) -> int:
     return num_q_heads // h
 
 
-def _sm_scale(sm_scale, head_dim: int) -> float:
-    if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    s = float(sm_scale)
+def _positive_real(name: str, value) -> float:
+    """``value`` as a finite float > 0, else ValueError naming ``name`` and the value.
+
+    Accepts Python and numpy ints and floats; rejects bools (``float(True)`` is 1.0), strings
+    (``float("2")`` is 2.0), tensors and other non-numbers, NaN, infinities and values <= 0.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"`{name}` = {value!r}: must be a finite number > 0")
+    try:
+        s = float(value)
+    except (OverflowError, ValueError):
+        s = math.inf
     if not (s > 0 and math.isfinite(s)):
-        raise ValueError(f"`sm_scale` = {sm_scale}: must be finite and > 0")
+        raise ValueError(f"`{name}` = {value!r}: must be finite and > 0")
     return s
 
 
-def _check_options(window, softcap, sinks, num_q_heads: int, device) -> None:
-    if window is not None and (int(window) != window or window < 1):
-        raise ValueError(f"`window` = {window}: must be an int >= 1 (tokens, the query included)")
-    if softcap is not None and not (float(softcap) > 0 and math.isfinite(float(softcap))):
-        raise ValueError(f"`softcap` = {softcap}: must be finite and > 0")
+def _sm_scale(sm_scale, head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return _positive_real("sm_scale", sm_scale)
+
+
+#: Largest window passed on (the kernels take it as int32; seq_lens are int32, so a longer
+#: window is no window).
+_WINDOW_MAX = (1 << 31) - 1
+
+
+def _check_options(window, softcap, sinks, num_q_heads: int, device):
+    """Checked ``(window, softcap)``: an int in ``1.._WINDOW_MAX`` and a float, or None.
+
+    ``window`` takes Python and numpy ints (not bools, floats or strings); ``softcap`` as
+    ``sm_scale`` (:func:`_positive_real`). ValueError names the argument and value.
+    """
+    if window is not None:
+        try:
+            if isinstance(window, bool):
+                raise TypeError
+            w = operator.index(window)
+        except TypeError:
+            raise ValueError(
+                f"`window` = {window!r}: must be an int >= 1 (tokens, the query included) or None"
+            ) from None
+        if w < 1:
+            raise ValueError(
+                f"`window` = {w}: must be an int >= 1 (tokens, the query included) or None"
+            )
+        window = min(w, _WINDOW_MAX)
+    if softcap is not None:
+        softcap = _positive_real("softcap", softcap)
     if sinks is not None:
         _check("sinks", sinks, shape=[num_q_heads], device=device, dtype=_Q_DTYPES)
+    return window, softcap
+
+
+def _check_cu_seqlens(cu: torch.Tensor, rows: int | None) -> None:
+    """``cu_seqlens_q`` (a CPU int tensor) non-decreasing from 0, ending at ``rows`` if given."""
+    if len(cu) == 0:
+        raise ValueError("`cu_seqlens_q` is empty: it needs B + 1 entries, from 0")
+    if int(cu[0]) != 0:
+        raise ValueError(f"`cu_seqlens_q[0]` = {int(cu[0])}: must be 0 (non-decreasing from 0)")
+    drop = (cu[1:] < cu[:-1]).nonzero()
+    if len(drop):
+        i = int(drop[0, 0]) + 1
+        raise ValueError(
+            f"`cu_seqlens_q[{i}]` = {int(cu[i])} is less than `cu_seqlens_q[{i - 1}]` = "
+            f"{int(cu[i - 1])}: must be non-decreasing"
+        )
+    if rows is not None and int(cu[-1]) != rows:
+        raise ValueError(
+            f"`cu_seqlens_q[{len(cu) - 1}]` = {int(cu[-1])}: must equal T = {rows}, the rows of `q`"
+        )
+
+
+def _check_batch(view, page_table, seq_lens, cu_seqlens_q=None, rows=None) -> None:
+    """Check the values of a batch on the host; ValueError naming the first bad one.
+
+    Reads the tensors (a host sync for device tensors: the CPU path always calls this, the GPU
+    path with ``debug``). Decode (``cu_seqlens_q`` None): each ``seq_len >= 1``. Extend:
+    ``cu_seqlens_q`` non-decreasing from 0 to ``rows`` (T) and ``seq_len >= q_len``; requests
+    without new tokens are not read, so not checked. Both: ``seq_len`` within the page table
+    and the page ids it reads in ``1 .. num_pages - 1`` (page 0 is the reserved padding page).
+    """
+    ps = view.page_size
+    width = page_table.shape[1]
+    num_pages = view.k.shape[0] // ps
+    lens = seq_lens.cpu().long()
+    if cu_seqlens_q is None:
+        active = torch.ones_like(lens, dtype=torch.bool)
+        short = (lens < 1).nonzero()
+        if len(short):
+            b = int(short[0, 0])
+            raise ValueError(f"`seq_lens[{b}]` = {int(lens[b])}: decode needs at least one token")
+    else:
+        cu = cu_seqlens_q.cpu().long()
+        _check_cu_seqlens(cu, rows)
+        qlens = cu[1:] - cu[:-1]
+        active = qlens > 0
+        short = (active & (lens < qlens)).nonzero()
+        if len(short):
+            b = int(short[0, 0])
+            raise ValueError(
+                f"`seq_lens[{b}]` = {int(lens[b])} is shorter than its {int(qlens[b])} new tokens"
+            )
+    over = (active & (lens > width * ps)).nonzero()
+    if len(over):
+        b = int(over[0, 0])
+        raise ValueError(
+            f"`seq_lens[{b}]` = {int(lens[b])} exceeds the page table's {width} pages x "
+            f"page_size {ps} = {width * ps} tokens"
+        )
+    need = torch.where(active, (lens + ps - 1) // ps, 0)  # pages each request reads
+    pt = page_table.cpu()
+    read = torch.arange(width)[None, :] < need[:, None]
+    bad = (read & ((pt < 1) | (pt >= num_pages))).nonzero()
+    if len(bad):
+        b, i = int(bad[0, 0]), int(bad[0, 1])
+        p = int(pt[b, i])
+        if p == 0:
+            raise ValueError(
+                f"`page_table[{b}, {i}]` = 0 is the reserved padding page, read as request {b}'s "
+                f"tokens (seq_len {int(lens[b])}): page ids must be in 1..{num_pages - 1}"
+            )
+        raise ValueError(
+            f"`page_table[{b}, {i}]` = {p} is outside the pool's pages 1..{num_pages - 1} "
+            f"(request {b}, seq_len {int(lens[b])}; page 0 is the reserved padding page)"
+        )
 
 
 def _use_triton(backend: str, q: torch.Tensor) -> bool:
@@ -964,7 +1076,8 @@ def plan_extend(
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
-    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer). Tile options
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer) and checks it
+    (ValueError unless non-decreasing from 0). Tile options
     left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
     decode path of the dtype (word-level for FP4).
     """
@@ -976,7 +1089,9 @@ def plan_extend(
     )
     _check_fp4_tile(view, block_n)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu = cu_seqlens_q.cpu().tolist()
+    cu_host = cu_seqlens_q.cpu()
+    _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
+    cu = cu_host.tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
     work_t = torch.tensor(work or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(dev)
     if not work:
@@ -1010,6 +1125,7 @@ def decode(
     backend: Backend = "auto",
     plan: DecodePlan | None = None,
     out: torch.Tensor | None = None,
+    debug: bool = False,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over the paged cache of one layer.
 
@@ -1025,19 +1141,24 @@ def decode(
     seq_lens : torch.Tensor
         ``[B]`` int32, each in ``1 .. max_pages * page_size`` (omit when ``plan`` is given).
     sm_scale : float, optional
-        Softmax scale (None: ``1 / sqrt(D)``).
+        Softmax scale, finite and > 0 (None: ``1 / sqrt(D)``).
     window : int, optional
-        Sliding window in tokens (the query's own token included).
+        Sliding window in tokens (the query's own token included), an int >= 1 (Python or
+        numpy; not a bool or float).
     sinks : torch.Tensor, optional
         ``[H_q]`` per-head sink logits (natural-log units).
     softcap : float, optional
-        Logit soft-capping ``c`` (``c * tanh(x / c)``).
+        Logit soft-capping ``c`` (``c * tanh(x / c)``), finite and > 0.
     backend : {"auto", "triton", "torch"}
         ``auto``: Triton for CUDA tensors, else the torch reference.
     plan : DecodePlan, optional
         From :func:`plan_decode`, shared by every layer of the batch.
     out : torch.Tensor, optional
         ``[B, H_q, Dv]`` in ``q``'s dtype to write into.
+    debug : bool
+        Also check the batch's values on the GPU kernel path (a host sync): ``seq_lens`` in
+        ``1 .. max_pages * page_size`` and the page ids they read in ``1 .. num_pages - 1``
+        (page 0 is the reserved padding page). CPU tensors are always checked.
 
     Returns
     -------
@@ -1047,10 +1168,12 @@ def decode(
     Raises
     ------
     ValueError
-        A tensor of the wrong shape, dtype or device (the message names it), a bad option;
-        for the kernels also ``q``, ``out`` or ``page_table`` not contiguous in the last dim,
-        ``seq_lens`` not contiguous, and a ``plan`` made for another batch or one whose kernel
-        cannot run this layer (a Gluon plan on a bf16 or fp32 view, another head_dim, ...).
+        A tensor of the wrong shape, dtype or device (the message names it), a bad option
+        (``sm_scale``, ``softcap``, ``window``: bools, strings, NaN/Inf, out of range); bad
+        ``seq_lens`` or page ids (see ``debug``); for the kernels also ``q``, ``out`` or
+        ``page_table`` not contiguous in the last dim, ``seq_lens`` not contiguous, and a
+        ``plan`` made for another batch or one whose kernel cannot run this layer (a Gluon plan
+        on a bf16 or fp32 view, another head_dim, ...).
     """
     _check_view(view)
     dev = view.k.device
@@ -1073,7 +1196,7 @@ def decode(
     _check("page_table", page_table, shape=[bsz, None], dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
     scale = _sm_scale(sm_scale, d)
-    _check_options(window, softcap, sinks, hq, dev)
+    window, softcap = _check_options(window, softcap, sinks, hq, dev)
     out = _out_buffer(out, bsz, hq, view, q)
     if not _use_triton(backend, q):
         out.copy_(
@@ -1092,6 +1215,8 @@ def decode(
     if bsz == 0:
         return out
     _check_unit_inner_strides(out=out, page_table=page_table, seq_lens=seq_lens)
+    if debug or dev.type != "cuda":  # reads the values: free on CPU tensors, a sync on the GPU
+        _check_batch(view, page_table, seq_lens)
     if plan is None:
         plan = plan_decode(view, hq, page_table, seq_lens)
     elif plan.page_table.shape[0] != bsz:
@@ -1407,6 +1532,7 @@ def extend(
     backend: Backend = "auto",
     plan: ExtendPlan | None = None,
     out: torch.Tensor | None = None,
+    debug: bool = False,
 ) -> torch.Tensor:
     """Extend attention: new tokens of a ragged batch attend causally to their whole sequence.
 
@@ -1428,6 +1554,9 @@ def extend(
         ``[B]`` int32, ``seq_lens[b] >= q_len_b``.
     sm_scale, window, sinks, softcap, backend, out
         As in :func:`decode` (``out`` is ``[T, H_q, Dv]``).
+    debug : bool
+        As in :func:`decode`; also checks ``cu_seqlens_q`` (non-decreasing from 0 to ``T``) and
+        ``seq_lens[b] >= q_len_b``. CPU tensors are always checked.
     plan : ExtendPlan, optional
         From :func:`plan_extend`.
 
@@ -1439,7 +1568,8 @@ def extend(
     Raises
     ------
     ValueError
-        A tensor of the wrong shape, dtype or device (the message names it), a bad option.
+        A tensor of the wrong shape, dtype or device (the message names it), a bad option;
+        bad ``cu_seqlens_q``, ``seq_lens`` or page ids (see ``debug``).
     """
     _check_view(view)
     dev = view.k.device
@@ -1463,7 +1593,7 @@ def extend(
     _check("cu_seqlens_q", cu_seqlens_q, shape=[bsz + 1], dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
     scale = _sm_scale(sm_scale, d)
-    _check_options(window, softcap, sinks, hq, dev)
+    window, softcap = _check_options(window, softcap, sinks, hq, dev)
     out = _out_buffer(out, t, hq, view, q)
     if not _use_triton(backend, q):
         out.copy_(
@@ -1480,6 +1610,8 @@ def extend(
             )
         )
         return out
+    if debug or dev.type != "cuda":  # reads the values: free on CPU tensors, a sync on the GPU
+        _check_batch(view, page_table, seq_lens, cu_seqlens_q, t)
     if t == 0 or bsz == 0:
         return out
     _check_unit_inner_strides(
@@ -1602,25 +1734,10 @@ def _attend(q, k, v, pos, *, sm_scale, window, sinks, softcap):
 
 
 def _slots(view: LayerView, page_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Slots of request ``b``'s first ``n`` tokens (page ids checked by :func:`_check_batch`)."""
     ps = view.page_size
-    width = page_table.shape[1]
-    if n > width * ps:
-        raise ValueError(
-            f"`seq_lens[{b}]` = {n} exceeds the page table's {width} pages x page_size {ps} "
-            f"= {width * ps} tokens"
-        )
     pos = torch.arange(n, device=page_table.device)
     pages = page_table[b, pos // ps].long()
-    # the reference path reads on the host anyway: a page id outside the pool would index
-    # out of range (an IndexError from deep in torch) or, when negative, wrap silently
-    num_pages = view.k.shape[0] // ps
-    bad = ((pages < 0) | (pages >= num_pages)).nonzero()
-    if len(bad):
-        i = int(bad[0, 0]) // ps
-        raise ValueError(
-            f"`page_table[{b}, {i}]` = {int(page_table[b, i])} is outside the pool's pages "
-            f"0..{num_pages - 1}"
-        )
     return pages * ps + pos % ps
 
 
@@ -1630,14 +1747,17 @@ def reference_decode(
     """Torch reference of :func:`decode`: dequantize, then attention in fp32.
 
     Each request's slots are dequantized with :mod:`kvpool.formats`; only slots below
-    ``seq_len`` are read. Returns ``[B, H_q, Dv]`` fp32.
+    ``seq_len`` are read. Returns ``[B, H_q, Dv]`` fp32. Raises ValueError on bad options,
+    ``seq_lens`` or page ids (:func:`_check_batch`).
     """
     scale = _sm_scale(sm_scale, q.shape[-1])
+    window, softcap = _check_options(window, softcap, None, q.shape[1], q.device)
+    # the reference reads on the host anyway: a page id outside the pool would index out of
+    # range (an IndexError from deep in torch) or, when negative or 0, read wrong rows silently
+    _check_batch(view, page_table, seq_lens)
     lens = seq_lens.cpu().tolist()
     res = torch.empty(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
     for b, n in enumerate(lens):
-        if n < 1:
-            raise ValueError(f"`seq_lens[{b}]` = {n}: decode needs at least one token")
         k, v = _gather_dequant(view, _slots(view, page_table, b, n))
         pos = torch.tensor([n - 1], device=q.device)
         res[b] = _attend(
@@ -1660,9 +1780,12 @@ def reference_extend(
 ) -> torch.Tensor:
     """Torch reference of :func:`extend`: dequantize, then causal attention in fp32.
 
-    Returns ``[T, H_q, Dv]`` fp32.
+    Returns ``[T, H_q, Dv]`` fp32. Raises ValueError on bad options, ``cu_seqlens_q``,
+    ``seq_lens`` or page ids (:func:`_check_batch`).
     """
     scale = _sm_scale(sm_scale, q.shape[-1])
+    window, softcap = _check_options(window, softcap, None, q.shape[1], q.device)
+    _check_batch(view, page_table, seq_lens, cu_seqlens_q, q.shape[0])
     cu = cu_seqlens_q.cpu().tolist()
     lens = seq_lens.cpu().tolist()
     res = torch.zeros(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
@@ -1670,8 +1793,6 @@ def reference_extend(
         a, e = cu[b], cu[b + 1]
         if e == a:
             continue
-        if n < e - a:
-            raise ValueError(f"`seq_lens[{b}]` = {n} is shorter than its {e - a} new tokens")
         k, v = _gather_dequant(view, _slots(view, page_table, b, n))
         pos = torch.arange(n - (e - a), n, device=q.device)
         res[a:e] = _attend(
