@@ -291,3 +291,23 @@ def test_assign_pages_refuses_padding_and_negative_ids(bad, index, value):
     with pytest.raises(BatchError, match=rf"`new_pages\[{index}\]` = {value}: page ids start at 1"):
         kvpool.assign_pages(table, i64(0), i64(5), i32(*bad), 4)
     assert table.tolist() == [[0, 0, 0, 0]]
+
+
+def test_extend_slots_ignores_requests_without_new_tokens():
+    # request 1 adds no token: its (short) table row is never read, so it is not checked
+    table = np.array([[1, 2], [3, 0]], dtype=np.int32)
+    got = kvpool.extend_slots(table, i64(0, 12), i64(5, 12), 4)
+    assert got.tolist() == [4, 5, 6, 7, 8]
+    with pytest.raises(BatchError, match="request 1 needs 4 pages"):
+        kvpool.extend_slots(table, i64(0, 12), i64(5, 13), 4)
+
+
+def test_bool_tensors_are_not_counts():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="dtype `torch.bool`"):
+        PageAllocator(8, 1).alloc(torch.tensor(True))
+    with pytest.raises(TypeError, match="dtype `bool`"):
+        PageAllocator(8, 1).alloc(np.array(True))
+    with pytest.raises(kvpool.ModelConfigError, match="`tp_size` must be an integer"):
+        kvpool.size_for("Qwen/Qwen3-8B", "bf16", num_tokens=16, tp_size=torch.tensor(True))
+    assert PageAllocator(8, 1).alloc(torch.tensor(2)).shape == (2,)

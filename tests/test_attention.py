@@ -490,7 +490,7 @@ def test_reference_path_refuses_pages_outside_the_pool():
                                      cache.seq_lens, backend="torch"),
         ):
             with pytest.raises(ValueError, match=rf"`page_table\[0, 0\]` = {bad} is outside the "
-                                                 r"pool's pages 1\.\.4"):
+                                                 r"pool's pages 0\.\.4"):
                 call()
     pt = cache.page_table.clone()
     pt[0, 0] = 4  # the last page is fine
@@ -1609,8 +1609,8 @@ def test_pool_extend_refuses_cu_seqlens_q_that_does_not_fit_q():
             pool.extend(0, q, cu, pt, sl)
     with pytest.raises(ValueError, match="`cu_seqlens_q"):
         pool.extend(0, q[:0], _i32(0, -3), pt, sl)
-    with pytest.raises(ValueError, match=r"`page_table\[0, 1\]` = 0 is the reserved padding"):
-        pool.decode(0, q[:1], _i32(1, 0).reshape(1, 2), sl)
+    with pytest.raises(ValueError, match=r"`page_table\[0, 1\]` = -1 is outside the pool's"):
+        pool.decode(0, q[:1], _i32(1, -1).reshape(1, 2), sl)
 
 
 NOT_NUMBERS = [True, False, "x", "1.0", None, torch.tensor(1.0), [1.0], 1j]
@@ -1673,22 +1673,20 @@ def test_options_accept_numpy_scalars_and_huge_windows():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])  # triton on CPU: checked before launch
-def test_padding_page_and_bad_page_ids_refused(backend):
-    """Page 0 is the reserved padding page (kvpool._core never allocates it): read as a
-    request's tokens, it gave uninitialized values (~4e37) on the torch path. Ids past a
-    request's seq_len are never read, so anything goes there."""
+def test_bad_page_ids_refused_padding_page_allowed(backend):
+    """Ids outside the pool's pages are refused before any read (the torch path indexed out of
+    range, or read wrong rows for negative ids). Page 0, the padding page, is allowed: the
+    padded requests of a fixed-size batch (a CUDA graph's) point at it; what it holds is
+    garbage. Ids past a request's seq_len are never read, so anything goes there."""
     c = _attack_cache()  # 1 + 2 + 3 extra pages = 6 pages
     assert c.view.k.shape[0] == 6 * 4
     q = torch.randn(1, 4, 16).to(torch.bfloat16)
     sl = _i32(8)
     cu = _i32(0, 1)
     for row, bad, msg in [
-        ([1, 0], (0, 1), r"`page_table\[0, 1\]` = 0 is the reserved padding page, read as "
-                         r"request 0's tokens \(seq_len 8\): page ids must be in 1\.\.5"),
-        ([0, 2], (0, 0), r"`page_table\[0, 0\]` = 0 is the reserved padding page"),
-        ([1, -1], (0, 1), r"`page_table\[0, 1\]` = -1 is outside the pool's pages 1\.\.5 "
-                          r"\(request 0, seq_len 8; page 0 is the reserved padding page\)"),
-        ([6, 2], (0, 0), r"`page_table\[0, 0\]` = 6 is outside the pool's pages 1\.\.5"),
+        ([1, -1], (0, 1), r"`page_table\[0, 1\]` = -1 is outside the pool's pages 0\.\.5 "
+                          r"\(request 0, seq_len 8\)"),
+        ([6, 2], (0, 0), r"`page_table\[0, 0\]` = 6 is outside the pool's pages 0\.\.5"),
     ]:
         pt = _i32(*row, 0, -5).reshape(1, 4)
         out = torch.full((1, 4, 16), 7.0, dtype=torch.bfloat16)
@@ -1698,18 +1696,25 @@ def test_padding_page_and_bad_page_ids_refused(backend):
             attention.extend(c.view, q, cu, pt, sl, backend=backend, out=out)
         assert bool((out == 7).all()), bad
     if backend == "torch":
-        with pytest.raises(ValueError, match="is the reserved padding page"):
-            attention.reference_decode(c.view, q, _i32(1, 0).reshape(1, 2), sl)
-        with pytest.raises(ValueError, match="is the reserved padding page"):
-            attention.reference_extend(c.view, q, cu, _i32(0, 2).reshape(1, 2), sl)
-    # entries past seq_len (4 tokens: one page) are not read: 0 or garbage there is fine
+        with pytest.raises(ValueError, match="is outside the pool's pages"):
+            attention.reference_decode(c.view, q, _i32(1, -2).reshape(1, 2), sl)
+        with pytest.raises(ValueError, match="is outside the pool's pages"):
+            attention.reference_extend(c.view, q, cu, _i32(9, 2).reshape(1, 2), sl)
+        # a padded request: seq_len 1 on the padding page; a real one beside it is exact
+        c2 = Cache("bf16", [8], heads=2, d=16, page=4)
+        q2 = torch.randn(2, 4, 16).to(torch.bfloat16)
+        pt2 = torch.cat([c2.page_table[:, :2], torch.zeros(1, 2, dtype=torch.int32)])
+        o = attention.decode(c2.view, q2, pt2, _i32(8, 1), backend="torch")
+        ref = attention.decode(c2.view, q2[:1], c2.page_table[:, :2], _i32(8), backend="torch")
+        assert torch.equal(o[:1], ref)
+    # entries past seq_len (4 tokens: one page) are not read: garbage there is fine
     pt = _i32(c.page_table[0, 0].item(), 0, -5, 99).reshape(1, 4)
     attention.decode(c.view, q, pt, _i32(4), backend="torch")
     # the second request of a batch is named
     c2 = Cache("bf16", [8, 5], heads=2, d=16, page=4)
     pt2 = c2.page_table.clone()
-    pt2[1, 1] = 0
-    with pytest.raises(ValueError, match=r"`page_table\[1, 1\]` = 0 .* request 1's tokens"):
+    pt2[1, 1] = -3
+    with pytest.raises(ValueError, match=r"`page_table\[1, 1\]` = -3 .* \(request 1, seq_len 5\)"):
         attention.decode(c2.view, torch.randn(2, 4, 16).to(torch.bfloat16), pt2, c2.seq_lens,
                          backend=backend)
 
@@ -1719,10 +1724,39 @@ def test_batch_value_checks_on_the_gpu_are_a_debug_option():
     """On CUDA tensors the kernel path reads no device values unless ``debug=True``."""
     c = Cache("bf16", [8], heads=2, d=16, page=4, device="cuda")
     q = torch.randn(1, 4, 16, device="cuda").to(torch.bfloat16)
-    pt = torch.tensor([[1, 0]], dtype=torch.int32, device="cuda")
+    pt = torch.tensor([[1, 1 << 20]], dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
-    attention.decode(c.view, q, pt, c.seq_lens)  # not checked: no host sync
-    with pytest.raises(ValueError, match="is the reserved padding page"):
+    with pytest.raises(ValueError, match="is outside the pool's pages"):
         attention.decode(c.view, q, pt, c.seq_lens, debug=True)
     with pytest.raises(ValueError, match=r"`cu_seqlens_q\[1\]` = 2: must equal T = 1"):
         attention.extend(c.view, q, cu, c.page_table, c.seq_lens, debug=True)
+
+
+@pytest.mark.parametrize("junk", [0, 1 << 30, -5])
+def test_pages_before_the_window_may_hold_anything(junk):
+    # engines return pages that left a sliding window (vLLM: its null block); the kernels never
+    # read them, so neither do the reference path nor the page-id check. Request of 40 tokens,
+    # page 4, window 8: decode reads tokens 32..39 (entries 8-9); an extend of 3 new tokens
+    # (positions 37..39) reads from token 30 (entry 7) on
+    cache = Cache("bf16", [40], heads=2, d=16, page=4)
+    for qlens, first in ((None, 8), ([3], 7)):
+        pt = cache.page_table.clone()
+        pt[0, :first] = junk
+        cache_pt, cache.page_table = cache.page_table, pt
+        try:
+            if qlens is None:
+                out, ref = run_decode(cache, 4, backend="torch", window=8)
+            else:
+                out, ref = run_extend(cache, 4, qlens, backend="torch", window=8)
+        finally:
+            cache.page_table = cache_pt
+        assert rel_err(out, ref) < 1e-2
+        # the first entry the window reads is still checked
+        pt[0, first] = -1
+        q = torch.randn(1 if qlens is None else 3, 4, 16).to(torch.bfloat16)
+        with pytest.raises(ValueError, match=rf"`page_table\[0, {first}\]` = -1 is outside"):
+            if qlens is None:
+                attention.decode(cache.view, q, pt, cache.seq_lens, window=8, backend="torch")
+            else:
+                cu = torch.tensor([0, 3], dtype=torch.int32)
+                attention.extend(cache.view, q, cu, pt, cache.seq_lens, window=8, backend="torch")

@@ -235,14 +235,18 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int | None) -> None:
         )
 
 
-def _check_batch(view, page_table, seq_lens, cu_seqlens_q=None, rows=None) -> None:
+def _check_batch(view, page_table, seq_lens, cu_seqlens_q=None, rows=None, window=None) -> None:
     """Check the values of a batch on the host; ValueError naming the first bad one.
 
     Reads the tensors (a host sync for device tensors: the CPU path always calls this, the GPU
     path with ``debug``). Decode (``cu_seqlens_q`` None): each ``seq_len >= 1``. Extend:
     ``cu_seqlens_q`` non-decreasing from 0 to ``rows`` (T) and ``seq_len >= q_len``; requests
     without new tokens are not read, so not checked. Both: ``seq_len`` within the page table
-    and the page ids it reads in ``1 .. num_pages - 1`` (page 0 is the reserved padding page).
+    and the page ids it reads in ``0 .. num_pages - 1`` (page 0 is the padding page: padded
+    requests of a fixed-size batch read it, and get garbage).
+    With a sliding ``window`` only pages holding a token some query sees are read (from
+    ``seq_len - q_len + 1 - window`` on), so entries before them may hold anything (engines
+    return pages that left the window; the kernels never touch them).
     """
     ps = view.page_size
     width = page_table.shape[1]
@@ -273,20 +277,21 @@ def _check_batch(view, page_table, seq_lens, cu_seqlens_q=None, rows=None) -> No
             f"page_size {ps} = {width * ps} tokens"
         )
     need = torch.where(active, (lens + ps - 1) // ps, 0)  # pages each request reads
+    first = torch.zeros_like(need)
+    if window is not None:
+        q_len = 1 if cu_seqlens_q is None else qlens
+        first = (lens - q_len + 1 - window).clamp(min=0) // ps
     pt = page_table.cpu()
-    read = torch.arange(width)[None, :] < need[:, None]
-    bad = (read & ((pt < 1) | (pt >= num_pages))).nonzero()
+    col = torch.arange(width)[None, :]
+    read = (col >= first[:, None]) & (col < need[:, None])
+    # (page 0, the padding page, may be read: the padded requests of a fixed-size batch, e.g.
+    # under a CUDA graph, point at it and their outputs are discarded)
+    bad = (read & ((pt < 0) | (pt >= num_pages))).nonzero()
     if len(bad):
         b, i = int(bad[0, 0]), int(bad[0, 1])
-        p = int(pt[b, i])
-        if p == 0:
-            raise ValueError(
-                f"`page_table[{b}, {i}]` = 0 is the reserved padding page, read as request {b}'s "
-                f"tokens (seq_len {int(lens[b])}): page ids must be in 1..{num_pages - 1}"
-            )
         raise ValueError(
-            f"`page_table[{b}, {i}]` = {p} is outside the pool's pages 1..{num_pages - 1} "
-            f"(request {b}, seq_len {int(lens[b])}; page 0 is the reserved padding page)"
+            f"`page_table[{b}, {i}]` = {int(pt[b, i])} is outside the pool's pages "
+            f"0..{num_pages - 1} (request {b}, seq_len {int(lens[b])})"
         )
 
 
@@ -1157,8 +1162,9 @@ def decode(
         ``[B, H_q, Dv]`` in ``q``'s dtype to write into.
     debug : bool
         Also check the batch's values on the GPU kernel path (a host sync): ``seq_lens`` in
-        ``1 .. max_pages * page_size`` and the page ids they read in ``1 .. num_pages - 1``
-        (page 0 is the reserved padding page). CPU tensors are always checked.
+        ``1 .. max_pages * page_size`` and the page ids they read in ``0 .. num_pages - 1``
+        (page 0, the padding page, serves padded requests: its contents are garbage). CPU
+        tensors are always checked.
 
     Returns
     -------
@@ -1216,7 +1222,7 @@ def decode(
         return out
     _check_unit_inner_strides(out=out, page_table=page_table, seq_lens=seq_lens)
     if debug or dev.type != "cuda":  # reads the values: free on CPU tensors, a sync on the GPU
-        _check_batch(view, page_table, seq_lens)
+        _check_batch(view, page_table, seq_lens, window=window)
     if plan is None:
         plan = plan_decode(view, hq, page_table, seq_lens)
     elif plan.page_table.shape[0] != bsz:
@@ -1611,7 +1617,7 @@ def extend(
         )
         return out
     if debug or dev.type != "cuda":  # reads the values: free on CPU tensors, a sync on the GPU
-        _check_batch(view, page_table, seq_lens, cu_seqlens_q, t)
+        _check_batch(view, page_table, seq_lens, cu_seqlens_q, t, window)
     if t == 0 or bsz == 0:
         return out
     _check_unit_inner_strides(
@@ -1733,10 +1739,10 @@ def _attend(q, k, v, pos, *, sm_scale, window, sinks, softcap):
     return torch.einsum("hnl,lhd->nhd", p, v)
 
 
-def _slots(view: LayerView, page_table: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    """Slots of request ``b``'s first ``n`` tokens (page ids checked by :func:`_check_batch`)."""
+def _slots(view: LayerView, page_table: torch.Tensor, b: int, lo: int, n: int) -> torch.Tensor:
+    """Slots of request ``b``'s tokens ``lo .. n - 1`` (ids checked by :func:`_check_batch`)."""
     ps = view.page_size
-    pos = torch.arange(n, device=page_table.device)
+    pos = torch.arange(lo, n, device=page_table.device)
     pages = page_table[b, pos // ps].long()
     return pages * ps + pos % ps
 
@@ -1754,12 +1760,14 @@ def reference_decode(
     window, softcap = _check_options(window, softcap, None, q.shape[1], q.device)
     # the reference reads on the host anyway: a page id outside the pool would index out of
     # range (an IndexError from deep in torch) or, when negative or 0, read wrong rows silently
-    _check_batch(view, page_table, seq_lens)
+    _check_batch(view, page_table, seq_lens, window=window)
     lens = seq_lens.cpu().tolist()
     res = torch.empty(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
     for b, n in enumerate(lens):
-        k, v = _gather_dequant(view, _slots(view, page_table, b, n))
-        pos = torch.tensor([n - 1], device=q.device)
+        # (slots before the window are never read: their pages may be gone, as in the kernels)
+        lo = 0 if window is None else max(n - window, 0)
+        k, v = _gather_dequant(view, _slots(view, page_table, b, lo, n))
+        pos = torch.tensor([n - 1 - lo], device=q.device)  # (positions from lo)
         res[b] = _attend(
             q[b : b + 1], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
         )[0]
@@ -1785,7 +1793,7 @@ def reference_extend(
     """
     scale = _sm_scale(sm_scale, q.shape[-1])
     window, softcap = _check_options(window, softcap, None, q.shape[1], q.device)
-    _check_batch(view, page_table, seq_lens, cu_seqlens_q, q.shape[0])
+    _check_batch(view, page_table, seq_lens, cu_seqlens_q, q.shape[0], window)
     cu = cu_seqlens_q.cpu().tolist()
     lens = seq_lens.cpu().tolist()
     res = torch.zeros(q.shape[0], q.shape[1], view.v_head_dim, dtype=torch.float32, device=q.device)
@@ -1793,8 +1801,11 @@ def reference_extend(
         a, e = cu[b], cu[b + 1]
         if e == a:
             continue
-        k, v = _gather_dequant(view, _slots(view, page_table, b, n))
-        pos = torch.arange(n - (e - a), n, device=q.device)
+        # (slots before the first query's window are never read, as in the kernels)
+        p0 = n - (e - a)
+        lo = 0 if window is None else max(p0 + 1 - window, 0)
+        k, v = _gather_dequant(view, _slots(view, page_table, b, lo, n))
+        pos = torch.arange(p0, n, device=q.device) - lo  # (positions from lo)
         res[a:e] = _attend(
             q[a:e], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
         )

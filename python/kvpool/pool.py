@@ -221,7 +221,9 @@ class KVPool:
 
     # --- quantized write / dequantize (kvpool.write) and the missing-scales warning ---------
 
-    #: Check slots and finiteness on every write (host sync); the CPU path always checks.
+    #: Check slots and finiteness on every write, and seq_lens, cu_seqlens_q and page ids on
+    #: every ``decode``/``extend`` (a host sync per call, per layer); CPU tensors are always
+    #: checked.
     debug: bool = False
 
     def write(

@@ -29,10 +29,11 @@ GIB = 1 << 30
 def _int(name: str, v: Any, *, minimum: int = 0, exc: type[Exception] = SizingError) -> int:
     """``v`` as a plain int >= ``minimum``.
 
-    Ints and numpy integers (anything with ``__index__``) pass; bools (Python's and numpy's),
-    floats and strings are refused.
+    Ints and numpy integers (anything with ``__index__``) pass; bools (Python's, numpy's and
+    torch's), floats and strings are refused.
     """
-    if isinstance(v, bool) or type(v).__name__ == "bool_":
+    # (numpy and torch bools by their dtype: a bool tensor's __index__ gives 0 or 1)
+    if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
         raise exc(f"`{name}` must be an integer, got {v!r}")
     try:
         v = operator.index(v)

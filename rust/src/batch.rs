@@ -103,12 +103,21 @@ fn check_lens(prefix: &[i64], seq: &[i64]) -> Result<(), BatchError> {
     Ok(())
 }
 
-/// Refuses a request whose `seq` tokens need more than `max_pages` page-table entries.
+/// Refuses a request whose `seq` tokens need more than `max_pages` page-table entries; with
+/// `prefix`, only requests that grow (`seq > prefix`: the others read no entry).
 ///
 /// # Errors
 /// [`BatchError::TooManyPages`] naming the first such request.
-pub fn check_width(seq: &[i64], max_pages: usize, page_size: usize) -> Result<(), BatchError> {
+pub fn check_width(
+    prefix: Option<&[i64]>,
+    seq: &[i64],
+    max_pages: usize,
+    page_size: usize,
+) -> Result<(), BatchError> {
     for (index, &s) in seq.iter().enumerate() {
+        if prefix.is_some_and(|p| p.get(index).is_some_and(|&p| p >= s)) {
+            continue;
+        }
         let pages = pages_for(s.max(0), page_size.max(1));
         if pages > max_pages {
             return Err(BatchError::TooManyPages {
@@ -212,7 +221,7 @@ pub fn assign_pages(
             got: new_pages.len(),
         });
     }
-    check_width(seq, max_pages, page_size)?;
+    check_width(None, seq, max_pages, page_size)?;
     // (a negative id or the padding page would read as a hole or garbage later)
     if let Some((index, &value)) = new_pages
         .iter()

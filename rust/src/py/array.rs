@@ -10,15 +10,16 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArray
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
-use pyo3::types::{PyBool, PyTuple};
+use pyo3::types::{PyBool, PyInt, PyTuple};
 
 use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
 use crate::radix;
 
 /// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
-/// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page. PyO3
-/// prefixes the error with the argument's name.
+/// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page; so is a
+/// bool tensor or array, whose `__index__` also gives 0 or 1. The message names the value (PyO3
+/// attaches the argument's name as a note).
 pub(crate) struct Int(pub(crate) i64);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
@@ -31,6 +32,16 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
             return Err(PyTypeError::new_err(format!(
                 "expected an integer, got the bool `{v}`"
             )));
+        }
+        if !obj.is_exact_instance_of::<PyInt>() {
+            if let Ok(d) = obj.getattr("dtype") {
+                let d = d.str()?.to_string();
+                if d == "bool" || d == "torch.bool" {
+                    return Err(PyTypeError::new_err(format!(
+                        "expected an integer, got a value of dtype `{d}`"
+                    )));
+                }
+            }
         }
         Ok(Self(obj.extract::<i64>()?))
     }

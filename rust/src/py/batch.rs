@@ -161,7 +161,7 @@ fn extend_slots<'py>(
     let ps = count("page_size", page_size.0)?;
     let total = batch::num_new_tokens(&p, &s).map_err(to_py)?;
     // (before the output exists: a request the table cannot hold allocates nothing)
-    batch::check_width(&s, width, ps).map_err(to_py)?;
+    batch::check_width(Some(&p), &s, width, ps).map_err(to_py)?;
     let out = out1(py, out, total)?;
     let r = t
         .try_readonly()
