@@ -44,3 +44,13 @@ def test_layer_index_checks():
     import numpy as np
 
     assert pool.layer(np.int64(3)) is pool.layer(3)
+    with pytest.raises(KeyError, match="layer"):  # (a bool tensor indexes as 1)
+        pool.layer(torch.tensor(True))
+    # one rule (kvpool._args.as_index) for every room's integer arguments
+    from kvpool import attention
+
+    for bad in (True, np.bool_(True), torch.tensor(True)):
+        with pytest.raises(ValueError, match="must be an int"):
+            attention._check_knob("num_splits", bad, 1)
+        with pytest.raises(ValueError, match="`window` = .*: must be an int >= 1"):
+            attention._check_options(bad, None, None, 4, "cpu")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 import os
 import re
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from kvpool import formats
+from kvpool._args import as_index
 
 if TYPE_CHECKING:
     from kvpool.pool import LayerView
@@ -197,9 +197,7 @@ def _check_options(window, softcap, sinks, num_q_heads: int, device):
     """
     if window is not None:
         try:
-            if isinstance(window, bool):
-                raise TypeError
-            w = operator.index(window)
+            w = as_index(window)
         except TypeError:
             raise ValueError(
                 f"`window` = {window!r}: must be an int >= 1 (tokens, the query included) or None"
@@ -328,9 +326,7 @@ def _check_knob(name: str, value, lo: int, hi: int | None = None, pow2: bool = F
     instead of letting them fail deep in torch or Triton, or pass as 0/1.
     """
     try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
+        value = as_index(value)
     except TypeError:
         raise ValueError(f"`{name}` = {value!r}: must be an int") from None
     if value < lo or (hi is not None and value > hi) or (pow2 and value & (value - 1)):

@@ -230,9 +230,8 @@ def quantize(
         t = _FLOAT[dtype]
         if torch.finfo(t).max < torch.finfo(x.dtype).max:
             # saturate: a finite value beyond the cache dtype's max (fp32 or bf16 into fp16,
-            # fp32 into bf16) would round to Inf in the cast
-            # (in fp32: bf16 rounds fp16's max, 65504, up to 65536); NaN and +-Inf pass
-            # unchanged, as the plain cast keeps them
+            # fp32 into bf16) would round to Inf in the cast; NaN and +-Inf pass unchanged, as
+            # the cast keeps them. Clamped in fp32: bf16 rounds fp16's max, 65504, up to 65536.
             m = torch.finfo(t).max
             x = x.float()
             x = torch.where(x.isinf(), x, x.clamp(-m, m))

@@ -7,11 +7,12 @@ reserved padding page.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from kvpool._args import as_index
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -174,10 +175,8 @@ class KVPool:
             ``layer`` is out of range or stores no KV (linear attention).
         """
         try:
-            if isinstance(layer, bool):
-                raise TypeError
             # (an int or numpy integer; 0.0 would find layer 0 through the dict's hash)
-            return self._views[operator.index(layer)]
+            return self._views[as_index(layer)]
         except (KeyError, TypeError):
             raise KeyError(
                 f"layer `{layer}` has no KV buffers (layers with KV: "

@@ -34,12 +34,13 @@ import json
 import logging
 import math
 import numbers
-import operator
 import re
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvpool._args import as_index, is_bool
 
 if TYPE_CHECKING:
     import torch
@@ -125,19 +126,12 @@ def _show(x: Any, limit: int = 60) -> str:
     return r if len(r) <= limit else f"{r[: limit // 2]}...{r[-limit // 4 :]} ({len(r)} chars)"
 
 
-def _is_bool(x: Any) -> bool:
-    """A bool, numpy bool or bool tensor (all of which would pass as 0/1)."""
-    return isinstance(x, bool) or str(getattr(x, "dtype", "")) in ("bool", "torch.bool")
-
-
 def _int_arg(name: str, x: Any, hint: str) -> int:
-    """``x`` as an int: ints and numpy/0-d tensor integers, never bools or floats."""
-    if not _is_bool(x):
-        try:
-            return operator.index(x)
-        except TypeError:
-            pass
-    raise ValueError(f"`{name}` = {_show(x)}: {hint}")
+    """``x`` as an int (:func:`kvpool._args.as_index`), else ValueError with ``hint``."""
+    try:
+        return as_index(x)
+    except TypeError:
+        raise ValueError(f"`{name}` = {_show(x)}: {hint}") from None
 
 
 def _real_float(x: Any) -> float:
@@ -147,7 +141,7 @@ def _real_float(x: Any) -> float:
     TypeError for anything else (bools, strings, complex, sequences); OverflowError for an int
     too large for a float.
     """
-    if _is_bool(x) or isinstance(x, (str, bytes)):
+    if is_bool(x) or isinstance(x, (str, bytes)):
         raise TypeError(type(x).__name__)
     if isinstance(x, numbers.Real):
         return float(x)
@@ -388,9 +382,9 @@ def _json_layer(key: Any, where: str) -> int:
             return int(key)
         except ValueError:  # beyond sys.get_int_max_str_digits()
             pass
-    elif not _is_bool(key):
+    else:
         try:
-            layer = operator.index(key)
+            layer = as_index(key)
         except TypeError:
             pass
         else:

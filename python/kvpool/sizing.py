@@ -7,12 +7,12 @@ so ``sum(buffer.nbytes) == plan.total_bytes`` holds to the byte. GiB here are 2^
 from __future__ import annotations
 
 import numbers
-import operator
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvpool import _core
+from kvpool._args import as_index
 from kvpool._core import SizingError
 from kvpool.config import ModelSpec
 from kvpool.gpus import gpu_memory
@@ -32,11 +32,8 @@ def _int(name: str, v: Any, *, minimum: int = 0, exc: type[Exception] = SizingEr
     Ints and numpy integers (anything with ``__index__``) pass; bools (Python's, numpy's and
     torch's), floats and strings are refused.
     """
-    # (numpy and torch bools by their dtype: a bool tensor's __index__ gives 0 or 1)
-    if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
-        raise exc(f"`{name}` must be an integer, got {v!r}")
     try:
-        v = operator.index(v)
+        v = as_index(v)
     except TypeError:
         raise exc(f"`{name}` must be an integer, got {v!r}") from None
     if v < minimum:
