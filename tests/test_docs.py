@@ -1,0 +1,76 @@
+"""Every ```python block of the docs runs as written (on the CPU; GPU blocks only on CUDA).
+
+Blocks of one page run in order in one namespace, a fresh one per page, so a page reads as one
+program. A block preceded by ``<!-- gpu -->`` needs CUDA and is skipped without it; in README.md
+only blocks preceded by ``<!-- runnable -->`` run (its other blocks show output or elided code).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+# an optional HTML comment marker line, then a fenced python block
+BLOCK = re.compile(r"(?:^<!--\s*(?P<mark>[\w-]+)\s*-->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
+
+
+def blocks(page: Path) -> list[tuple[int, str | None, str]]:
+    """(line number, marker, code) of each python block of ``page``."""
+    text = page.read_text()
+    found = []
+    for m in BLOCK.finditer(text):
+        line = text.count("\n", 0, m.start("code")) + 1
+        found.append((line, m.group("mark"), m.group("code")))
+    return found
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def runnable(page: Path, mark: str | None) -> bool:
+    if page.name == "README.md":
+        return mark == "runnable"
+    return True
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_blocks_run(page: Path) -> None:
+    ns: dict = {"__name__": f"docs_{page.stem}"}
+    ran = 0
+    for line, mark, code in blocks(page):
+        if not runnable(page, mark):
+            continue
+        if mark == "gpu" and not _cuda():
+            continue
+        try:
+            exec(compile(code, f"{page.name}:{line}", "exec"), ns)
+        except Exception as e:  # name the block: the traceback's file is page:line
+            raise AssertionError(f"{page.relative_to(ROOT)} block at line {line} failed: {e!r}") from e
+        ran += 1
+    if page.name != "README.md":
+        assert ran > 0 or not blocks(page), f"{page.name}: no block ran"
+
+
+def test_every_docs_page_has_its_blocks_collected() -> None:
+    # the regex must see every fence: a ```python the pattern misses would go untested
+    for page in PAGES:
+        fences = len(re.findall(r"^```python$", page.read_text(), re.M))
+        assert fences == len(blocks(page)), page.name
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "README.md"], ids=lambda p: p.name)
+def test_gpu_blocks_are_marked_and_nothing_else_needs_cuda(page: Path) -> None:
+    for line, mark, code in blocks(page):
+        if mark != "gpu":
+            assert '"cuda"' not in code and "'cuda'" not in code, (
+                f"{page.name}:{line} uses CUDA but is not marked <!-- gpu -->"
+            )
