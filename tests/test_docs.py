@@ -15,7 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # an optional HTML comment marker line, then a fenced python block
-BLOCK = re.compile(r"(?:^<!--\s*(?P<mark>[\w-]+)\s*-->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M)
+BLOCK = re.compile(
+    r"(?:^<!--\s*(?P<mark>[\w-]+)\s*-->\n)?^```python\n(?P<code>.*?)^```", re.S | re.M
+)
 
 
 def blocks(page: Path) -> list[tuple[int, str | None, str]]:
@@ -54,7 +56,8 @@ def test_page_blocks_run(page: Path) -> None:
         try:
             exec(compile(code, f"{page.name}:{line}", "exec"), ns)
         except Exception as e:  # name the block: the traceback's file is page:line
-            raise AssertionError(f"{page.relative_to(ROOT)} block at line {line} failed: {e!r}") from e
+            where = f"{page.relative_to(ROOT)} block at line {line}"
+            raise AssertionError(f"{where} failed: {e!r}") from e
         ran += 1
     if page.name != "README.md":
         assert ran > 0 or not blocks(page), f"{page.name}: no block ran"
