@@ -77,3 +77,70 @@ def test_gpu_blocks_are_marked_and_nothing_else_needs_cuda(page: Path) -> None:
             assert '"cuda"' not in code and "'cuda'" not in code, (
                 f"{page.name}:{line} uses CUDA but is not marked <!-- gpu -->"
             )
+
+
+# --- paths the docs cite exist ------------------------------------------------------------------
+
+CITING = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "docs/*.md",
+    "benches/*/README.md",
+    "benches/attention/RESULTS.md",
+    "benches/write/NOTES.md",
+    "benches/e2e/results/README.md",
+    "benches/radix/results/radix_replay.md",
+]
+# a backticked path (one slash at least) to a file with a known suffix or to a folder; bare file
+# names are left out (tables name files of a folder given in their header)
+_PATH = re.compile(
+    r"`([\w.{},*-]*/[\w.{},*/-]*(?:\.(?:py|md|json|txt|log|sh|png|rs|toml|yml|tgz)|/))`"
+)
+
+
+def _expand(token: str) -> list[str]:
+    """Brace expansion (``run{5,6}_h200``; ``a..b`` ranges of the radix notes as a glob)."""
+    m = re.search(r"\{([^{}]*)\}", token)
+    if m:
+        alts = m.group(1).split(",")
+        return [x for alt in alts for x in _expand(token.replace(m.group(0), alt, 1))]
+    return [re.sub(r"\d+\.\.\d+|\.\.", "*", token)]
+
+
+# bench notes also name result files bare (`radix_replay_set2_run1..9.json`) or unquoted in tables
+_BARE = re.compile(r"`([A-Za-z][\w.{},*-]*\.(?:json|txt|log|tgz))`")
+_UNQUOTED = re.compile(r"(?<![\w/`])(results/[\w.{},*/-]+\.(?:json|txt|log|md))")
+
+
+def cited_paths() -> list[tuple[str, str]]:
+    out = []
+    for pattern in CITING:
+        for page in sorted(ROOT.glob(pattern)):
+            text = page.read_text()
+            tokens = _PATH.findall(text) + _UNQUOTED.findall(text)
+            if page.relative_to(ROOT).parts[0] == "benches":
+                tokens += _BARE.findall(text)
+            for token in tokens:
+                if token.startswith(("http", "/", "~")) or token in ("config.json",):
+                    continue
+                out.append((str(page.relative_to(ROOT)), token))
+    return out
+
+
+def _exists(page: Path, token: str) -> bool:
+    bases = [ROOT, page.parent, *page.parents]
+    rel = page.relative_to(ROOT).parts
+    if rel[0] == "benches":  # bench notes name files of their runs' folders
+        bench = ROOT / "benches" / rel[1]
+        bases += [bench, bench / "results", *(bench / "results").glob("**/")]
+    for path in _expand(token):
+        if not any(list(b.glob(path.rstrip("/"))) for b in bases):
+            return False
+    return True
+
+
+def test_cited_paths_exist() -> None:
+    found = cited_paths()
+    assert len(found) > 50, "the path pattern no longer finds the docs' citations"
+    missing = [f"{page}: `{tok}`" for page, tok in found if not _exists(ROOT / page, tok)]
+    assert not missing, "cited but missing:\n" + "\n".join(missing)
