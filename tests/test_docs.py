@@ -90,6 +90,8 @@ CITING = [
     "benches/write/NOTES.md",
     "benches/e2e/results/README.md",
     "benches/radix/results/radix_replay.md",
+    "python/kvpool/**/*.py",
+    "triton_kernels/*.py",
 ]
 # a backticked path (one slash at least) to a file with a known suffix or to a folder; bare file
 # names are left out (tables name files of a folder given in their header)
@@ -127,11 +129,15 @@ def cited_paths() -> list[tuple[str, str]]:
     return out
 
 
+_BENCHES = sorted(p for p in (ROOT / "benches").iterdir() if p.is_dir())
+
+
 def _exists(page: Path, token: str) -> bool:
     bases = [ROOT, page.parent, *page.parents]
     rel = page.relative_to(ROOT).parts
-    if rel[0] == "benches":  # bench notes name files of their runs' folders
-        bench = ROOT / "benches" / rel[1]
+    # bench notes name files of their runs' folders; code cites them from its own bench
+    benches = [ROOT / "benches" / rel[1]] if rel[0] == "benches" else _BENCHES
+    for bench in benches:
         bases += [bench, bench / "results", *(bench / "results").glob("**/")]
     for path in _expand(token):
         if not any(list(b.glob(path.rstrip("/"))) for b in bases):
@@ -144,3 +150,48 @@ def test_cited_paths_exist() -> None:
     assert len(found) > 50, "the path pattern no longer finds the docs' citations"
     missing = [f"{page}: `{tok}`" for page, tok in found if not _exists(ROOT / page, tok)]
     assert not missing, "cited but missing:\n" + "\n".join(missing)
+
+
+# --- nothing refers outside the repository ------------------------------------------------------
+
+OUTSIDE = re.compile(r"\.\./shared/|\bshared/(?:DESIGN|CASES|STYLE)|\bDESIGN\.md|\bCASES\.md")
+# Files of other branches whose references are replaced when those branches land (listed in the
+# docs branch's report); remove each entry with its fix. The docs, README, CONTRIBUTING, the
+# example, the bench notes and the tests are clean already.
+PENDING = {
+    "python/kvpool/config.py",
+    "python/kvpool/fidelity.py",
+    "python/kvpool/formats.py",
+    "python/kvpool/sizing.py",
+    "rust/src/alloc.rs",
+    "rust/src/py/sizing.rs",
+    "rust/src/radix.rs",
+    "triton_kernels/decode.py",
+    "triton_kernels/decode_gluon.py",
+    "triton_kernels/decode_gluon_fp4.py",
+}
+
+
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    paths = [ROOT / p for p in out.decode().split("\0") if p]
+    return [p for p in paths if p.suffix not in (".png", ".tgz", ".so", ".gguf") and p.is_file()]
+
+
+def test_no_reference_outside_the_repository() -> None:
+    hits = []
+    for path in _tracked_text_files():
+        rel = str(path.relative_to(ROOT))
+        if rel in PENDING or rel == "tests/test_docs.py":
+            continue
+        text = path.read_text(errors="replace")
+        for m in OUTSIDE.finditer(text):
+            hits.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}")
+    assert not hits, "references to files a clone does not have:\n" + "\n".join(hits)
