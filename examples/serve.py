@@ -5,7 +5,7 @@
     python examples/serve.py --report             # + per-dtype capacity/fidelity/speed table
     python examples/serve.py --pool-tokens 448    # a tight pool: queueing and eviction
 
-The data flow of shared/DESIGN.md, request by request:
+The data flow of docs/architecture.md, request by request:
 
     size_for -> KVPool -> RadixCache.match_prefix -> lock -> cache.alloc -> pool.write
     -> pool.extend (prefill) / pool.decode (one token per request) -> insert / unlock / free
@@ -465,7 +465,8 @@ def report(model, tok, args) -> list[dict[str, Any]]:
               f"{r['kl']:>11.2e}{r['ppl']:>9.3f}{r['greedy_same']:>9.1%}{r['hit_rate']:>10.1%}"
               f"{r['tokens_per_s']:>8.1f}")  # fmt: skip
     print(f"reference perplexity {rows[0]['ppl_ref']:.3f}; greedy= is information only "
-          "(share of generated tokens equal to the first dtype's, DESIGN.md 'Fidelity')")
+          "(share of generated tokens equal to the first dtype's; "
+          "docs/architecture.md, 'Fidelity')")
     return rows
 
 

@@ -45,7 +45,7 @@ def test_out_of_pages_is_a_memory_error_with_numbers_and_changes_nothing():
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_kvb21_double_free_never_aliases_a_page(page_size):
-    """CASES.md KVB-21: double free, duplicate in one call, retain/release counts."""
+    """KVB-21 (docs/architecture.md): double free, duplicate in one call, retain/release counts."""
     a = PageAllocator(4, page_size)
     p = a.alloc(1)
     a.free(p)

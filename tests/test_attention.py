@@ -1,5 +1,5 @@
 """Fused paged attention (kvpool.attention): torch reference, Triton kernels (interpreted at tiny
-shapes, on the GPU at real shapes), CASES.md KVB-16 for every dtype.
+shapes, on the GPU at real shapes), KVB-16 (docs/architecture.md, failure cases) for every dtype.
 
 Oracle: an fp64 attention written here over *dense* K/V (dequantized with kvpool.formats before
 they are scattered into pages), so it shares no paging/indexing code with the launchers.
@@ -278,7 +278,7 @@ def run_extend(
 
 
 def kvb16_cache(dtype, seq_len, device="cpu"):
-    """CASES.md KVB-16: head_dim padded to 64 with zeros, 1 KV head, page_size 16."""
+    """KVB-16: head_dim padded to 64 with zeros, 1 KV head, page_size 16."""
     d = 64
     page = 16
     fp4 = dtype in FP4

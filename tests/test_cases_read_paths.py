@@ -1,6 +1,7 @@
-"""CASES.md KVB-12/13/14 through every *read* path: the byte-level write tests (test_write.py,
-test_formats.py) prove what is stored; these prove that every reader decodes those bytes as the
-same format (KVB-13's fault was a reader and a writer disagreeing about e4m3 vs e5m2).
+"""Failure cases KVB-12/13/14 (docs/architecture.md) through every *read* path: the byte-level
+write tests (test_write.py, test_formats.py) prove what is stored; these prove that every reader
+decodes those bytes as the same format (KVB-13's fault was a reader and a writer disagreeing
+about e4m3 vs e5m2).
 
 Oracle, worked by hand: with a single cached token, softmax over one key is exactly 1, so decode
 and extend must return that token's V exactly as its format decodes it (every value below is

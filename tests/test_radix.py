@@ -1,4 +1,4 @@
-"""RadixCache through the Python API: the CASES.md radix cases and bad input."""
+"""RadixCache through the Python API: failure cases KVB-17/19 (docs/architecture.md), bad input."""
 
 import numpy as np
 import pytest
@@ -78,7 +78,7 @@ def test_split_keeps_handles_valid_and_insert_extends():
 
 
 def test_kvb17_lock_covers_the_matched_node():
-    """CASES.md KVB-17."""
+    """KVB-17: locking the matched node itself."""
     a, c = make(16, 1)
     put(c, [1, 2, 3])
     put(c, [1, 2, 3, 4, 5, 6])
@@ -127,7 +127,7 @@ def salt(s):
 
 
 def test_kvb19_namespaces_are_domain_separated():
-    """CASES.md KVB-19: adapter id 1 named "a"; other adapters, salts, no namespace never match."""
+    """KVB-19: adapter id 1 named "a"; other adapters, salts, no namespace never match."""
     a, c = make(64, 1)
     T = t(10, 11, 12, 13)
     put(c, T, namespace=(lora(1),))

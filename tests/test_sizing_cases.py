@@ -1,5 +1,5 @@
-"""The pool-sizing cases of shared/CASES.md (KVB-01, 03, 05, 07) and the issue's hand-worked
-values. Every expected number is worked out by hand in the comment beside it."""
+"""The pool-sizing failure cases of docs/architecture.md (KVB-01, 03, 05, 07) and the issue's
+hand-worked values. Every expected number is worked out by hand in the comment beside it."""
 
 import copy
 

@@ -1,7 +1,10 @@
 """Turn benchmark JSON (bench_attention.py output) into a markdown summary and a PNG plot.
 
-    python benches/attention/report.py --main results/run2_h200.json --grid-tag grid0 \
-        --extra results/run1_h200.json results/run3_h200.json --md RESULTS.md --png decode.png
+    python benches/attention/report.py --main results/run10_h200/call6_bench/attention.json \
+        --extra results/run6_h200/attention.json results/run5_h200/attention.json \
+        --md RESULTS.md --png decode_h200.png
+
+(the full command that made ``RESULTS.md`` is in ``benches/attention/README.md``)
 
 ``--main``: the run whose grid (``--grid-tag``: the grid configuration that matches the code's
 defaults), key points, unfused path and extend baseline are reported. ``--extra``: other runs
