@@ -16,12 +16,11 @@ import time
 import traceback
 from datetime import timedelta
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool.distributed import GroupPlan, kv_heads_of_rank, shard_kv_heads, tp_plan
-from kvpool.distributed.broadcast import parse_header, views
+from kvpool.distributed.broadcast import fitted_size, pack_header, parse_header, views
 
 LLAMA = "meta-llama/Llama-3.1-8B"
 DSV3 = "deepseek-ai/DeepSeek-V3"
@@ -130,7 +129,8 @@ def _w_plans(rank: int, n: int) -> dict:
     g = agree_plan(LLAMA, "fp8", 0.9, total_memory=total, available_memory=avail, page_size=16,
                    timeout=GROUP_TIMEOUT)  # fmt: skip
     r["min"] = (g.fields, g.fingerprint, g.memory_rank, g.total_memory, g.available_memory,
-                g.plan.num_pages, g.tp_size, g.plan.kv_heads_per_rank, list(g.kv_heads))  # fmt: skip
+                g.plan.num_pages, g.tp_size, g.plan.kv_heads_per_rank,
+                list(g.kv_heads))  # fmt: skip
     g = agree_plan(LLAMA, "bf16", 0.9, gpu="H100")
     r["gpu"] = (g.plan.num_pages, g.fingerprint, g.memory_rank)
     # mismatches: every rank raises, naming the field and the rank
@@ -163,12 +163,12 @@ def _w_plans(rank: int, n: int) -> dict:
             r["bc"].append((_digest(arrays), bc.collectives - before, bc.size))
         bc.close()
     else:
-        for i in range(NUM_STEPS):
+        for _ in range(NUM_STEPS):
             before = bc.collectives
             got = bc.recv()
             first = got if first is None else first
             addrs = [(a.__array_interface__["data"][0], a.nbytes) for a in got.values() if a.size]
-            adjacent = all(a + nb == b for (a, nb), (b, _) in zip(addrs, addrs[1:]))
+            adjacent = all(a + nb == b for (a, nb), (b, _) in zip(addrs, addrs[1:], strict=False))
             owns = any(a.flags.owndata for a in got.values())
             r["bc"].append((_digest(got), bc.collectives - before, bc.size, adjacent, owns,
                             list(got), {k: a.dtype.str for k, a in got.items()}))  # fmt: skip
@@ -180,7 +180,6 @@ def _w_plans(rank: int, n: int) -> dict:
 def _w_heads(rank: int, n: int) -> dict:
     """Rank 0 schedules one batch; each rank writes its heads of the full K/V into its shard."""
     import torch
-
     from kvpool.distributed import StepBroadcaster, agree_plan
     from kvpool.write import write_kv
 
@@ -308,13 +307,17 @@ def test_two_ranks_agree_and_broadcast(tmp_path):
     assert r0["bad_step"] == 0  # nothing was sent
     assert [x[0] for x in r0["bc"]] == [x[0] for x in r1["bc"]]
     assert [x[0] for x in r0["bc"]] == [_digest(_step(i)) for i in range(NUM_STEPS)]
-    # step 2 (64 x 64 page table) grows 256 -> 8192 words: a grow message, then the step;
-    # four low steps later the size shrinks to max(256, pow2(2 x use)) for the next message
+    # step 2 (64 x 64 page table) grows 256 words to its size + 25% in whole KiB: a grow
+    # message, then the step; four low steps later the next message shrinks back to 256
     per_step = [x[1] for x in r0["bc"]]
     assert per_step == [1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1]
     assert [x[1] for x in r1["bc"]] == per_step
     sizes = [x[2] for x in r0["bc"]]
-    assert sizes[:3] == [256, 256, 8192] and sizes[5] == 8192 and sizes[6] == 256, sizes
+    a2 = _step(2)
+    need = len(pack_header(2, 0, 0, a2)) + sum(a.size for a in a2.values())
+    grown = -(-(need * 5 // 4) // 256) * 256  # e.g. 4,642 words -> 5,888
+    assert 4096 < need < grown < 1.3 * need + 256 and grown == fitted_size(need)
+    assert sizes == [256, 256, grown, grown, grown, grown, 256, 256, 256, 256, 256], sizes
     assert [x[2] for x in r1["bc"]] == sizes
     for x in r1["bc"]:
         assert x[3] and not x[4]  # adjacent views of one buffer, none owning its data
@@ -438,7 +441,7 @@ def test_dp_attention_capacity_deepseek_v3_h200():
 
 def test_message_format_round_trip():
     """Header and data of one message, parsed without a process group."""
-    from kvpool.distributed.broadcast import _DATA, pack_header
+    from kvpool.distributed.broadcast import _DATA
 
     arrays = {"page_table": np.arange(12, dtype=np.int32).reshape(3, 4),
               "empty": np.zeros((0, 5), np.int32), "scalar": np.array(7, np.int32),
@@ -458,7 +461,8 @@ def test_message_format_round_trip():
         assert got[k].shape == a.shape
         np.testing.assert_array_equal(got[k], a)
         assert np.shares_memory(got[k], buf) or a.size == 0
-    with pytest.raises(kvpool.distributed.CollectiveError, match="received step 5, expected step 6"):
+    err = kvpool.distributed.CollectiveError
+    with pytest.raises(err, match="received step 5, expected step 6"):
         parse_header(buf, 300, 6)
     with pytest.raises(kvpool.distributed.CollectiveError, match="not a StepBroadcaster"):
         parse_header(np.zeros(300, np.int32), 300, 5)

@@ -10,10 +10,12 @@ step's size before receiving it. Rather than broadcast a header first (two colle
 step), each message is of a size every rank already knows: the first of ``capacity`` words, and
 each message's header states the size of the next one. When a step does not fit, the sender
 first sends a short "grow" message (of the size announced) that announces the larger size, then
-the step itself: two collectives on the steps that grow (the size at least doubles, so a few in
-a run), one on every other step. After ``shrink_after`` steps that used under a quarter of the
-size, the header announces a smaller one (half the use rounded up to a power of two), so a burst
-of long prefills does not make every later decode step broadcast the burst's size.
+the step itself: two collectives on the steps that grow, one on every other step. A grown size
+is the step's size plus a quarter, in whole KiB (:func:`fitted_size`): each growth is by at
+least a quarter (a few in a run), and the buffer never carries much more than the step (a
+power of two could nearly double every broadcast's bytes). After ``shrink_after`` steps that
+used under a quarter of the size, the header announces a fitted smaller one, so a burst of long
+prefills does not make every later decode step broadcast the burst's size.
 
 Header (int32 words): ``magic, version, step, kind, next_size, header_words, data_words,
 num_arrays``; per array ``name_bytes, ndim, dims...``; then the names' UTF-8 bytes padded to
@@ -40,6 +42,11 @@ _MAX_WORDS = (1 << 31) - 1
 
 def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def fitted_size(need: int) -> int:
+    """Words of a message grown or shrunk to a step of ``need`` words: +25%, whole KiB."""
+    return min(-(-(need + need // 4) // 256) * 256, _MAX_WORDS)
 
 
 def _as_int32(name: str, a: Any) -> np.ndarray:
@@ -265,13 +272,13 @@ class StepBroadcaster:
         if need > _MAX_WORDS:
             raise ValueError(f"step of {need} int32 words exceeds {_MAX_WORDS}")
         if need > self.size:
-            grown = min(max(_pow2(need), 2 * self.size), _MAX_WORDS)
+            grown = fitted_size(need)
             self._message(pack_header(self.step, _GROW, grown, {}), {}, self.size)
             self.size, self._low = grown, 0
         self._low = self._low + 1 if 4 * need <= self.size else 0
         nxt = self.size
         if self.shrink_after and self._low >= self.shrink_after and self.size > self.capacity:
-            nxt, self._low = max(self.capacity, _pow2(2 * need)), 0
+            nxt, self._low = max(self.capacity, fitted_size(need)), 0
         words[4] = nxt
         self._message(words, arrs, self.size)
         self.size = nxt
