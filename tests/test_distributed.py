@@ -9,6 +9,7 @@ a hang fails the test and the processes are killed, it never stalls the suite.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -133,6 +134,11 @@ def _w_plans(rank: int, n: int) -> dict:
                 list(g.kv_heads))  # fmt: skip
     g = agree_plan(LLAMA, "bf16", 0.9, gpu="H100")
     r["gpu"] = (g.plan.num_pages, g.fingerprint, g.memory_rank)
+    if "group" in inspect.signature(kvpool.size_for).parameters:  # once sizing has the hook
+        import torch.distributed as dist
+
+        p = kvpool.size_for(LLAMA, "bf16", 0.9, gpu="H100", group=dist.group.WORLD)
+        r["hook"] = (p.num_pages, p.tp_size)
     # mismatches: every rank raises, naming the field and the rank
     r["tp"] = _catch(agree_plan, LLAMA, "fp8", 0.9, gpu="H200", tp_size=2 if rank == 0 else 1)
     r["model"] = _catch(agree_plan, LLAMA if rank == 0 else "Qwen/Qwen3-8B", "fp8", 0.9,
@@ -271,6 +277,8 @@ def test_two_ranks_agree_and_broadcast(tmp_path):
                             page_size=16, tp_size=2)  # fmt: skip
     assert alone.num_pages > num_pages
     assert r0["gpu"] == r1["gpu"]
+    if "hook" in r0:  # size_for(..., group=) is agree_plan(...).plan
+        assert r0["hook"] == r1["hook"] == (r0["gpu"][0], 2)
     assert r0["gpu"][0] == kvpool.size_for(LLAMA, "bf16", 0.9, gpu="H100", tp_size=2).num_pages
 
     # mismatches: the same error on both ranks, naming the field and the ranks, at once
