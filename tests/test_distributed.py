@@ -149,6 +149,16 @@ def _w_plans(rank: int, n: int) -> dict:
     # rank 1 cannot fit the plan: 1 byte short of the activation reserve
     short = [60 * GIB, 8 * GIB - 1][rank]
     r["fit"] = _catch(agree_plan, LLAMA, "fp8", 0.9, total_memory=80 * GIB, available_memory=short)
+    # a rank that cannot allocate its shard stops every rank
+    def alloc():
+        if rank == 1:
+            raise MemoryError("CUDA out of memory (simulated)")
+        return "pool"
+
+    from kvpool.distributed import on_every_rank
+
+    r["alloc"] = _catch(on_every_rank, alloc, what="KVPool")
+    r["alloc_ok"] = on_every_rank(lambda: rank)
     # the group is still usable after all those errors
     # (DeepSeek-V3's weights need 8 H200s: give the memory left after loading instead)
     g = agree_plan(DSV3, "fp8", 0.9, gpu="H200", available_memory=60 * GIB, dp_attention=True)
@@ -301,6 +311,11 @@ def test_two_ranks_agree_and_broadcast(tmp_path):
         name, msg, _ = r["fit"]
         assert name == "BudgetTooSmallError", r["fit"]
         assert "sized from rank 1's memory" in msg and "8589934591 bytes available" in msg, msg
+
+    for r in (r0, r1):
+        assert r["alloc"][:2] == ("MemoryError",
+                                  "KVPool failed on rank 1: CUDA out of memory (simulated)")
+    assert (r0["alloc_ok"], r1["alloc_ok"]) == (0, 1)
 
     # DP attention over 2 ranks: each rank holds its own requests' latents
     dp = tp_plan(DSV3, "fp8", 0.9, tp_size=2, gpu="H200", available_memory=60 * GIB,

@@ -6,13 +6,14 @@
   metadata (page table, seq_lens, slots, ...) to every rank in one broadcast of a packed int32
   buffer.
 - :func:`kv_heads_of_rank` / :func:`shard_kv_heads`: which global KV heads a rank's pool holds.
+- :func:`on_every_rank`: run a step (allocating the shard) and raise on every rank if one failed.
 - DP attention for MLA (``agree_plan(..., dp_attention=True)``): each attention-DP rank holds
   different requests' latents; :class:`GroupPlan` states the capacity per rank and in total.
 
 Runs on gloo (CPU, what CI tests) and NCCL. Importing this module does not import torch.
 """
 
-from kvpool.distributed._collective import CollectiveError, RankMismatchError
+from kvpool.distributed._collective import CollectiveError, RankMismatchError, on_every_rank
 from kvpool.distributed.heads import kv_heads_of_rank, shard_kv_heads
 from kvpool.distributed.plan import GroupPlan, agree_plan, tp_plan
 
@@ -23,6 +24,7 @@ __all__ = [
     "StepBroadcaster",
     "agree_plan",
     "kv_heads_of_rank",
+    "on_every_rank",
     "shard_kv_heads",
     "tp_plan",
 ]

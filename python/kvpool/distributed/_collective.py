@@ -22,6 +22,7 @@ _KNOWN: dict[str, type[Exception]] = {
         _core.ModelConfigError,
         _core.KvDtypeError,
         _core.LayoutError,
+        MemoryError,
         ValueError,
         TypeError,
     )
@@ -153,3 +154,40 @@ def raise_errors(errors: list[tuple[str, str] | None], what: str, mine: BaseExce
         text += f" (and on {ranks_text(others)}: {'; '.join(errors[r][1] for r in others)})"  # type: ignore[index]
     cls = _KNOWN.get(name, CollectiveError)
     raise cls(text) from mine
+
+
+def on_every_rank(fn: Any, *, group: Any = None, what: str | None = None) -> Any:
+    """Run ``fn()`` on this rank; if it raised on any rank of ``group``, raise on every rank.
+
+    One all-gather of an ok flag (and the error's class and message) after ``fn`` returns, so a
+    rank that cannot allocate its shard (``KVPool(plan, "cuda")`` out of memory) stops the whole
+    group, not only itself while the others wait in their first collective. Call it on every
+    rank.
+
+    Parameters
+    ----------
+    fn : callable
+        No arguments; its result is returned on the ranks where every rank succeeded.
+    group : torch.distributed.ProcessGroup, optional
+        Default: the whole world.
+    what : str, optional
+        Named in the error (default: ``fn``'s name).
+
+    Raises
+    ------
+    Exception
+        The first failing rank's error class (kvpool's sizing errors, ValueError, TypeError; else
+        :class:`CollectiveError`), its message prefixed with the failing ranks, on every rank.
+    CollectiveError
+        The all-gather failed (a rank died or timed out).
+    """
+    what = what or getattr(fn, "__name__", "fn")
+    group_info(group)
+    mine, out = None, None
+    try:
+        out = fn()
+    except Exception as e:
+        mine = e
+    errors = all_gather(group, mine and error_of(mine), what)
+    raise_errors(errors, what, mine)
+    return out
