@@ -484,6 +484,11 @@ def test_message_format_round_trip():
         assert got[k].shape == a.shape
         np.testing.assert_array_equal(got[k], a)
         assert np.shares_memory(got[k], buf) or a.size == 0
+    import torch  # the NCCL path slices the device buffer the same way: torch views
+
+    tv = views(torch.from_numpy(buf), head, meta)
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(tv[k].numpy(), a)
     err = kvpool.distributed.CollectiveError
     with pytest.raises(err, match="received step 5, expected step 6"):
         parse_header(buf, 300, 6)
