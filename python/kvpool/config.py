@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool._core import ModelConfigError, ModelGeometry
+from kvpool.config_defaults import ALIASES, DEFAULTS, SLIDING_PERIOD, table_entry
 
 _NESTED = ("text_config", "language_config", "llm_config", "thinker_config")
 _DTYPE_NAMES = {
@@ -88,15 +89,33 @@ def _scopes(d: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class _Fields:
-    """Looks fields up in the nested language-model config first, then the top level."""
+    """Field lookup: nested language-model config, top level, then the class defaults.
 
-    def __init__(self, config: dict[str, Any]):
+    The defaults (:mod:`kvpool.config_defaults`, by the language model's ``model_type``) serve
+    only a field absent from every scope.
+    """
+
+    def __init__(self, config: dict[str, Any], *, defaults: bool = True):
         self.scopes = _scopes(config)
+        # the innermost scope that names its model_type says which class the fields belong to
+        types = [s["model_type"] for s in self.scopes if "model_type" in s]
+        self.table = table_entry(types[0]) if defaults and types else None
+        self.defaults = DEFAULTS.get(self.table, {}) if self.table else {}
+        #: names of the fields served from the defaults table, in lookup order
+        self.defaulted: dict[str, None] = {}
 
     def get(self, name: str, default: Any = None) -> Any:
+        present = False
         for scope in self.scopes:
-            if scope.get(name) is not None:
-                return scope[name]
+            if name in scope:
+                present = True
+                if scope[name] is not None:
+                    return scope[name]
+        # a field the file sets to null is null, as transformers reads it; only an absent one
+        # takes the class default
+        if not present and name in self.defaults:
+            self.defaulted[name] = None
+            return self.defaults[name]
         return default
 
     def has(self, name: str) -> bool:
@@ -107,7 +126,12 @@ class _Fields:
         if v is None:
             if default is not None:
                 return default
-            raise ModelConfigError(f"model config lacks `{name}`")
+            if self.table is None:
+                raise ModelConfigError(f"model config lacks `{name}`")
+            raise ModelConfigError(
+                f"model config lacks `{name}`, which has no transformers default for "
+                f"`model_type` `{self.table}` either"
+            )
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ModelConfigError(f"`{name}` must be a non-negative integer, got {v!r}")
         if v > _MAX_FIELD:
@@ -160,6 +184,12 @@ class ModelSpec:
         (DeepSeek-V3/R1 and Kimi-K2 declare 1; Qwen3.5 names it ``mtp_num_hidden_layers``).
         SGLang's NEXTN speculative decoding runs them with their own KV; they are not in
         ``layer_kinds``.
+    defaults_from : str or None
+        The :data:`kvpool.config_defaults.DEFAULTS` entry (a ``model_type``) whose transformers
+        class defaults stand in for fields the config leaves out; ``None`` when none applies
+        (unknown ``model_type``, or a GGUF file, whose metadata llama.cpp defaults differently).
+    defaulted_fields : tuple of str
+        The fields ``from_dict`` took from that entry, in the order it read them.
     config : dict
         The raw config.
     path : Path or None
@@ -182,6 +212,8 @@ class ModelSpec:
     sliding_v_head_dim: int | None = None
     kv_shared_sources: dict[int, int] = field(default_factory=dict)
     num_nextn_predict_layers: int = 0
+    defaults_from: str | None = None
+    defaulted_fields: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     path: Path | None = None
 
@@ -244,8 +276,24 @@ class ModelSpec:
         name: str = "<dict>",
         dtype: str | None = None,
         path: Path | None = None,
+        defaults: bool = True,
     ) -> ModelSpec:
         """Build a spec from a parsed ``config.json``.
+
+        Parameters
+        ----------
+        config : dict
+            The parsed config (nested ``text_config`` etc. searched first).
+        name : str
+            What the spec is called (``ModelSpec.name``).
+        dtype : str, optional
+            The compute dtype, overriding the config's ``torch_dtype``.
+        path : Path, optional
+            The model directory (for the checkpoint's weight size).
+        defaults : bool
+            Fill fields absent from the config with the Hugging Face transformers class
+            defaults of its ``model_type`` (:mod:`kvpool.config_defaults`), as transformers does
+            when it loads the file. Fields without such a default must be in the config.
 
         Raises
         ------
@@ -254,7 +302,7 @@ class ModelSpec:
         """
         if not isinstance(config, dict):
             raise ModelConfigError(f"model config must be a dict, got {type(config).__name__}")
-        f = _Fields(config)
+        f = _Fields(config, defaults=defaults)
         if f.has("index_head_dim"):
             raise ModelConfigError(
                 f"`index_head_dim` = {f.get('index_head_dim')}: this model keeps a sparse-"
@@ -321,6 +369,8 @@ class ModelSpec:
             linear_attention=linear,
             kv_shared_sources=shared,
             num_nextn_predict_layers=nextn,
+            defaults_from=f.table,
+            defaulted_fields=tuple(f.defaulted),
             config=config,
             path=path,
         )
@@ -349,8 +399,8 @@ class ModelSpec:
 
     @property
     def fields(self) -> _Fields:
-        """Field lookup over the raw config (nested language config first)."""
-        return _Fields(self.config)
+        """Field lookup over the raw config (nested language config first, then the defaults)."""
+        return _Fields(self.config, defaults=self.defaults_from is not None)
 
     def geometry(self, tp_size: int = 1) -> ModelGeometry:
         """The Rust-side geometry; linear-attention state is sharded for ``tp_size`` ranks."""
@@ -489,16 +539,18 @@ _LAYER_TYPES = {
 
 def _sliding_pattern(f: _Fields, num_layers: int) -> list[str]:
     model_type = str(f.get("model_type", ""))
+    period = SLIDING_PERIOD.get(ALIASES.get(model_type, model_type))
+    if period is not None:
+        # the fixed pattern transformers builds for these architectures (Gemma 2, gpt-oss:
+        # even layers sliding, odd full; Gemma-3n: every 5th full), whatever else the config says
+        return ["full" if (i + 1) % period == 0 else "sliding" for i in range(num_layers)]
     pattern = f.get("sliding_window_pattern")
-    if model_type == "gemma2":
-        # Gemma 2 alternates: even layers local (sliding), odd layers global.
-        return ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
     if pattern is not None:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise ModelConfigError(
                 f"`sliding_window_pattern` must be a positive integer, got {pattern!r}"
             )
-        # Gemma 3: every `pattern`-th layer is global.
+        # Gemma 3, Cohere 2: every `pattern`-th layer is global.
         return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
     if f.has("max_window_layers") and model_type.startswith("qwen"):
         # Qwen2 with use_sliding_window: layers from max_window_layers on use the window.

@@ -349,7 +349,10 @@ def spec_from_gguf(path: str | os.PathLike[str], *, dtype: str | None = None) ->
     header = read_header(path)
     cfg = config_from_gguf(header)
     try:
-        spec = ModelSpec.from_dict(cfg, name=str(header.path), dtype=dtype or "fp32")
+        # (no transformers defaults: llama.cpp defaults missing metadata its own way)
+        spec = ModelSpec.from_dict(
+            cfg, name=str(header.path), dtype=dtype or "fp32", defaults=False
+        )
     except ModelConfigError as e:
         # from_dict names the Hugging Face field (`num_key_value_heads`); say which file it was
         if str(header.path) in str(e):
