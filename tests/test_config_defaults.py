@@ -51,7 +51,7 @@ def entry_of(cfg: dict) -> str | None:
     return table_entry(types[0]) if types else None
 
 
-CASES = [
+FIELD_CASES = [
     (m, field)
     for m in bundled_models()
     if entry_of(bundled(m)) is not None
@@ -70,7 +70,7 @@ def test_every_bundled_family_has_an_entry():
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("model, field", CASES)
+@pytest.mark.parametrize("model, field", FIELD_CASES)
 def test_deleted_field_sizes_as_its_default(model, field):
     full = bundled(model)
     default = DEFAULTS[entry_of(full)][field]

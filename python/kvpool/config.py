@@ -1,18 +1,23 @@
 """Model geometry from a Hugging Face ``config.json`` (file, model directory, bundled name or dict).
 
-Rules (each learnt from a fault seen in a peer engine, see ``shared/CASES.md``):
+Rules (each learnt from a fault seen in peer engines):
 
 - ``head_dim`` is taken as declared; only when it is absent or ``null`` is it
-  ``hidden_size / num_attention_heads``, which must divide exactly (KVB-01).
+  ``hidden_size / num_attention_heads``, which must divide exactly.
 - ``num_key_value_heads`` defaults to ``num_attention_heads`` (multi-head attention).
 - The language model's fields nested under ``text_config`` / ``language_config`` /
   ``llm_config`` / ``thinker_config`` are searched before the top level, whose fields may
   describe a vision tower.
+- A field absent from the file takes the transformers class default of the language model's
+  ``model_type`` (:mod:`kvpool.config_defaults`), as transformers itself does on load; a field
+  set to ``null`` stays null.
 - ``layer_types`` wins over ``full_attention_interval`` and over sliding-window patterns.
 - MLA (``kv_lora_rank``) stores one latent of ``kv_lora_rank + qk_rope_head_dim`` values per
   token and layer; a sparse-attention indexer cache (``index_head_dim``) is refused explicitly.
-- A field that is needed and missing raises :class:`kvpool.ModelConfigError` naming it; nothing
-  is defaulted silently.
+- ``num_kv_shared_layers`` (Gemma-3n): the last layers own no KV and read an earlier layer's.
+- A field that is needed, missing and without a class default, or inconsistent with the others
+  (layer counts, windows, shared layers, linear-attention heads), raises
+  :class:`kvpool.ModelConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -345,6 +350,8 @@ class ModelSpec:
         if f.has("kv_lora_rank"):
             kv_lora_rank = f.int("kv_lora_rank")
             qk_rope = f.int("qk_rope_head_dim")
+            if kv_lora_rank == 0:
+                raise ModelConfigError("`kv_lora_rank` must be positive, got 0")
         kinds, window = _layer_kinds(f, num_layers)
         shared = _kv_shared_sources(f, kinds)
         for i in shared:
@@ -463,7 +470,7 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
         if every == 0:
             raise ModelConfigError("`full_attention_interval` must be positive, got 0")
         kinds = ["full" if (i + 1) % every == 0 else "linear" for i in range(num_layers)]
-    elif window is not None and f.get("use_sliding_window", True) is not False:
+    elif window is not None and _use_sliding_window(f):
         kinds = _sliding_pattern(f, num_layers)
     else:
         kinds = ["full"] * num_layers
@@ -508,6 +515,13 @@ def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:
             )
         out[i] = sources[-1]
     return out
+
+
+def _use_sliding_window(f: _Fields) -> bool:
+    use = f.get("use_sliding_window", True)
+    if not isinstance(use, bool):
+        raise ModelConfigError(f"`use_sliding_window` must be true, false or null, got {use!r}")
+    return use
 
 
 def _layer_type(t: object, i: int) -> str:
@@ -588,6 +602,12 @@ def _linear_attention(f: _Fields) -> dict[str, Any]:
         dims[name] = f.int(name)
         if dims[name] == 0:
             raise ModelConfigError(f"`{name}` must be positive, got 0")
+    kh, vh = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
+    if vh % kh:
+        # Gated DeltaNet repeats each Q/K head over num_value_heads / num_key_heads V heads
+        raise ModelConfigError(
+            f"`linear_num_value_heads` = {vh} is not a multiple of `linear_num_key_heads` = {kh}"
+        )
     return {
         "num_key_heads": dims["linear_num_key_heads"],
         "num_value_heads": dims["linear_num_value_heads"],
