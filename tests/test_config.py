@@ -151,3 +151,31 @@ def test_consistent_shared_config_on_a_bundled_model():
     spec = ModelSpec.from_dict({**bundled("google/gemma-2-9b-it"), "num_kv_shared_layers": 2})
     assert spec.kv_shared_sources == {40: 38, 41: 39}
     assert spec.layer_kinds[-3:] == ("full", "shared", "shared")
+
+
+def test_config_swa_head_dims():
+    cfg = {**bundled("openai/gpt-oss-20b"), "swa_head_dim": 32}
+    spec = ModelSpec.from_dict(cfg)
+    # V of the sliding layers follows swa_head_dim unless swa_v_head_dim says otherwise
+    assert (spec.head_dim, spec.sliding_head_dim, spec.sliding_v_head_dim) == (64, 32, 32)
+    spec = ModelSpec.from_dict({**cfg, "swa_v_head_dim": 64})
+    assert (spec.sliding_head_dim, spec.sliding_v_head_dim) == (32, None)
+    # no sliding layers: nothing differs
+    llama = {**bundled("meta-llama/Llama-3.1-8B"), "swa_head_dim": 32}
+    assert ModelSpec.from_dict(llama).sliding_head_dim is None
+    with pytest.raises(ModelConfigError, match="`swa_head_dim` must be positive, got 0"):
+        ModelSpec.from_dict({**cfg, "swa_head_dim": 0})
+
+
+@pytest.mark.parametrize("patch, name", [
+    ({"swa_num_key_value_heads": 4}, "swa_num_key_value_heads"),
+    ({"swa_num_attention_heads": 32}, "swa_num_attention_heads"),
+    ({"global_head_dim": 512}, "global_head_dim"),
+    ({"num_global_key_value_heads": 2}, "num_global_key_value_heads"),
+])  # fmt: skip
+def test_per_kind_head_counts_are_refused(patch, name):
+    with pytest.raises(ModelConfigError, match=f"`{name}` = "):
+        ModelSpec.from_dict({**bundled("openai/gpt-oss-20b"), **patch})
+    # the same counts as the full layers are no difference
+    same = {"swa_num_key_value_heads": 8, "swa_num_attention_heads": 64}
+    assert ModelSpec.from_dict({**bundled("openai/gpt-oss-20b"), **same}).num_kv_heads == 8

@@ -178,7 +178,8 @@ class ModelSpec:
         ``ssm_dtype_bytes``.
     sliding_head_dim, sliding_v_head_dim : int or None
         K and V values per head of the ``sliding`` layers when they differ from ``head_dim`` /
-        ``v_head_dim`` (GGUF ``<arch>.attention.key_length_swa`` / ``value_length_swa``);
+        ``v_head_dim`` (config ``swa_head_dim`` / ``swa_v_head_dim``, GGUF
+        ``<arch>.attention.key_length_swa`` / ``value_length_swa``);
         ``None`` means the same as the full layers (and always when there are no sliding layers).
     kv_shared_sources : dict of int to int
         ``{layer: source_layer}`` for the layers of kind ``"shared"``, which own no KV and attend
@@ -353,6 +354,7 @@ class ModelSpec:
             if kv_lora_rank == 0:
                 raise ModelConfigError("`kv_lora_rank` must be positive, got 0")
         kinds, window = _layer_kinds(f, num_layers)
+        swa_k, swa_v = _sliding_head_dims(f, kinds, heads, kv_heads, head_dim, v_head_dim)
         shared = _kv_shared_sources(f, kinds)
         for i in shared:
             kinds[i] = "shared"
@@ -369,6 +371,8 @@ class ModelSpec:
             head_dim=head_dim,
             v_head_dim=v_head_dim,
             sliding_window=window,
+            sliding_head_dim=swa_k,
+            sliding_v_head_dim=swa_v,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope,
             dtype=model_dtype,
@@ -480,6 +484,39 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
     else:
         window = None
     return kinds, window
+
+
+def _sliding_head_dims(
+    f: _Fields, kinds: list[str], heads: int, kv_heads: int, head_dim: int, v_head_dim: int
+) -> tuple[int | None, int | None]:
+    """Head sizes of the sliding layers where the config gives them their own (else ``None``).
+
+    transformers 5.23.0 names them ``swa_head_dim`` (``models/inkling/configuration_inkling.py``;
+    V the same size, there being no ``swa_v_head_dim`` in it; MiMo-V2's remote config adds
+    ``swa_v_head_dim``). Per-kind head *counts* (``swa_num_key_value_heads``) and Gemma-4's
+    full-layer geometry (``global_head_dim``, ``num_global_key_value_heads``) are refused: the spec
+    holds one KV head count, and guessing would under-size the pool.
+    """
+    for name, same in (("swa_num_key_value_heads", kv_heads), ("swa_num_attention_heads", heads)):
+        if f.has(name) and f.int(name) != same:
+            raise ModelConfigError(
+                f"`{name}` = {f.get(name)} differs from the full layers' {same}; kvpool does not "
+                "size sliding layers with their own head counts yet"
+            )
+    for name in ("global_head_dim", "num_global_key_value_heads"):
+        if f.has(name):
+            raise ModelConfigError(
+                f"`{name}` = {f.get(name)}: full layers with their own head geometry (Gemma-4 "
+                "style) are not sized yet; refusing rather than mis-counting their bytes"
+            )
+    if not f.has("swa_head_dim") or "sliding" not in kinds:
+        return None, None
+    k = f.int("swa_head_dim")
+    v = f.int("swa_v_head_dim") if f.has("swa_v_head_dim") else k
+    for name, x in (("swa_head_dim", k), ("swa_v_head_dim", v)):
+        if x == 0:
+            raise ModelConfigError(f"`{name}` must be positive, got 0")
+    return (None if k == head_dim else k), (None if v == v_head_dim else v)
 
 
 def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:

@@ -432,9 +432,9 @@ def _with_swa_head_dims(header: GGUFHeader, spec: ModelSpec) -> ModelSpec:
     """``key_length_swa`` / ``value_length_swa``: K and V head sizes of the sliding layers.
 
     llama.cpp (``n_embd_head_k_swa`` / ``n_embd_head_v_swa`` in ``src/llama-model.cpp``) takes
-    them for the sliding layers and the full-layer sizes when absent. No ``config.json`` field
-    of the architectures transformers 5.23.0 ships with this geometry carries them, so they
-    join the spec here rather than through the config dict.
+    them for the sliding layers and the full-layer sizes when absent. They join the spec here,
+    not through the config dict: the one ``config.json`` name for them (``swa_head_dim``, of
+    transformers' Inkling) comes with per-kind head counts that GGUF files state otherwise.
     """
     arch = header.arch
     dims = []
