@@ -195,7 +195,7 @@ class Plan:
         """
         keys = ("kind", "page_size", "num_pages", "rows", "bytes_per_token", "bytes",
                 "headroom_pages", "capped_by_int32", "requests")  # fmt: skip
-        return {row[0]: dict(zip(keys, row[1:])) for row in self._core.page_spaces}
+        return {row[0]: dict(zip(keys, row[1:], strict=True)) for row in self._core.page_spaces}
 
     def allocators(self) -> dict[str, Any]:
         """A fresh :class:`kvpool.PageAllocator` per page space, keyed by space name.
@@ -499,7 +499,8 @@ def size_for(
     )
     if num_tokens is not None:
         n = _int("num_tokens", num_tokens)
-        return Plan(_core.plan(geometry, dtype, num_tokens=n, **kw), spec, tp_size, None, draft_spec)
+        core = _core.plan(geometry, dtype, num_tokens=n, **kw)
+        return Plan(core, spec, tp_size, None, draft_spec)
     budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, tp_size)
     core = _core.plan(geometry, dtype, budget=budget.budget, **kw)
     return Plan(core, spec, tp_size, budget, draft_spec)
