@@ -357,3 +357,38 @@ def test_smollm2_tokenizer():
     assert ids[0] == 1 and ids[-1] == 2
     assert [tok.decode([i]) for i in ids[3:7]] == ["2", "0", "2", "4"]
     assert tok.decode(tok.encode("héllo wörld 42").ids) == "héllo wörld 42"
+
+
+# ------------------------------------------------------------------ issue 16: config facts
+def test_nextn_layers_are_not_decoder_layers(tmp_path):
+    # llama.cpp counts the MTP layers in block_count (GLM-4.5, DeepSeek-V3.2 converters)
+    def nextn(n):
+        return lambda w: w.add_uint32("llama.nextn_predict_layers", n)
+
+    spec = kvpool.ModelSpec.from_pretrained(_geometry_gguf(tmp_path / "mtp.gguf", nextn(1)))
+    assert (spec.num_layers, spec.num_nextn_predict_layers) == (1, 1)
+    p = _geometry_gguf(tmp_path / "mtp2.gguf", nextn(2))
+    with pytest.raises(ModelConfigError, match="`llama.nextn_predict_layers` = 2 leaves no"):
+        kvpool.ModelSpec.from_pretrained(p)
+
+
+def test_swa_head_dims(tmp_path):
+    def add(w):
+        w.add_key_length(16)
+        w.add_value_length(16)
+        w.add_sliding_window(8)
+        w.add_uint32("llama.attention.key_length_swa", 8)
+
+    spec = kvpool.ModelSpec.from_pretrained(_geometry_gguf(tmp_path / "swa.gguf", add))
+    assert spec.layer_kinds == ("sliding", "sliding")
+    # V of the sliding layers keeps the full-layer size, as llama.cpp defaults it
+    assert (spec.head_dim, spec.sliding_head_dim, spec.sliding_v_head_dim) == (16, 8, None)
+    # no sliding layers: nothing to differ from
+    p = _geometry_gguf(
+        tmp_path / "full.gguf", lambda w: w.add_uint32("llama.attention.key_length_swa", 8)
+    )
+    assert kvpool.ModelSpec.from_pretrained(p).sliding_head_dim is None
+    bad = _geometry_gguf(tmp_path / "bad.gguf", add,
+                         lambda w: w.add_int32("llama.attention.value_length_swa", 0))
+    with pytest.raises(ModelConfigError, match="value_length_swa` must be a positive integer"):
+        kvpool.ModelSpec.from_pretrained(bad)

@@ -128,7 +128,8 @@ class ModelSpec:
     name : str
         Hub id or path the spec came from.
     layer_kinds : tuple of str
-        ``"full"``, ``"sliding"`` or ``"linear"`` per layer (``linear`` stores no KV pages).
+        ``"full"``, ``"sliding"``, ``"linear"`` or ``"shared"`` per layer (``linear`` keeps
+        per-request state, no KV pages; ``shared`` owns no KV at all, see ``kv_shared_sources``).
     num_attention_heads, num_kv_heads : int
         Query heads and KV heads (global, before TP).
     head_dim, v_head_dim : int
@@ -142,6 +143,23 @@ class ModelSpec:
         The model's compute dtype (``bf16``/``fp16``/``fp32``): what ``auto`` KV resolves to.
     dtype_source : str
         Where ``dtype`` came from (``"config"``, ``"caller"`` or ``"default"``).
+    linear_attention : dict
+        Gated DeltaNet dims of the ``linear`` layers (empty when there are none): ``num_key_heads``,
+        ``num_value_heads``, ``key_head_dim``, ``value_head_dim``, ``conv_kernel``,
+        ``ssm_dtype_bytes``.
+    sliding_head_dim, sliding_v_head_dim : int or None
+        K and V values per head of the ``sliding`` layers when they differ from ``head_dim`` /
+        ``v_head_dim`` (GGUF ``<arch>.attention.key_length_swa`` / ``value_length_swa``);
+        ``None`` means the same as the full layers (and always when there are no sliding layers).
+    kv_shared_sources : dict of int to int
+        ``{layer: source_layer}`` for the layers of kind ``"shared"``, which own no KV and attend
+        over the KV of ``source_layer`` (Gemma-3n ``num_kv_shared_layers``: the last N layers read
+        the last earlier layer of the same attention type, sliding or full). Empty for most models.
+    num_nextn_predict_layers : int
+        Multi-token-prediction (MTP) layers the checkpoint carries beside the decoder layers
+        (DeepSeek-V3/R1 and Kimi-K2 declare 1; Qwen3.5 names it ``mtp_num_hidden_layers``).
+        SGLang's NEXTN speculative decoding runs them with their own KV; they are not in
+        ``layer_kinds``.
     config : dict
         The raw config.
     path : Path or None
@@ -160,6 +178,10 @@ class ModelSpec:
     dtype: str = "bf16"
     dtype_source: str = "default"
     linear_attention: dict[str, Any] = field(default_factory=dict)
+    sliding_head_dim: int | None = None
+    sliding_v_head_dim: int | None = None
+    kv_shared_sources: dict[int, int] = field(default_factory=dict)
+    num_nextn_predict_layers: int = 0
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     path: Path | None = None
 
@@ -276,8 +298,14 @@ class ModelSpec:
             kv_lora_rank = f.int("kv_lora_rank")
             qk_rope = f.int("qk_rope_head_dim")
         kinds, window = _layer_kinds(f, num_layers)
+        shared = _kv_shared_sources(f, kinds)
+        for i in shared:
+            kinds[i] = "shared"
         model_dtype, source = _model_dtype(f, dtype)
         linear = _linear_attention(f) if "linear" in kinds else {}
+        nextn = f.int("num_nextn_predict_layers", default=0) or f.int(
+            "mtp_num_hidden_layers", default=0
+        )
         return cls(
             name=name,
             layer_kinds=tuple(kinds),
@@ -291,6 +319,8 @@ class ModelSpec:
             dtype=model_dtype,
             dtype_source=source,
             linear_attention=linear,
+            kv_shared_sources=shared,
+            num_nextn_predict_layers=nextn,
             config=config,
             path=path,
         )
@@ -393,6 +423,41 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
     else:
         window = None
     return kinds, window
+
+
+def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:
+    """Layers that reuse an earlier layer's KV: ``{layer: source}`` (Gemma-3n).
+
+    The rule of transformers 5.23.0 (``models/gemma3n/configuration_gemma3n.py``,
+    ``Gemma3nTextConfig.kv_sharing_modes``; the same in ``modeling_gemma3n.py`` of 4.53): the last
+    ``num_kv_shared_layers`` layers compute no K/V and read those of the last layer before them
+    that has the same ``layer_types`` entry; every type among the shared layers needs one.
+    """
+    n = f.int("num_kv_shared_layers", default=0)
+    if n == 0:
+        return {}
+    first = len(kinds) - n
+    if first <= 0:
+        raise ModelConfigError(
+            f"`num_kv_shared_layers` = {n} leaves no layer of the {len(kinds)} "
+            "(`num_hidden_layers`) to own the KV they share"
+        )
+    out = {}
+    for i in range(first, len(kinds)):
+        kind = kinds[i]
+        if kind == "linear":
+            raise ModelConfigError(
+                f"`num_kv_shared_layers` = {n} makes linear-attention layer {i} share KV; "
+                "only attention layers share KV"
+            )
+        sources = [j for j in range(first) if kinds[j] == kind]
+        if not sources:
+            raise ModelConfigError(
+                f"`num_kv_shared_layers` = {n}: shared layer {i} is {kind} attention, but no "
+                f"layer before layer {first} is, so none owns KV for it to share"
+            )
+        out[i] = sources[-1]
+    return out
 
 
 def _layer_type(t: object, i: int) -> str:

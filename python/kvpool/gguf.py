@@ -273,6 +273,27 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
         cfg["rope_dim"] = get("rope.dimension_count")
     if get("attention.sliding_window") is not None:
         cfg["sliding_window"] = get("attention.sliding_window")
+    nextn = get("nextn_predict_layers")
+    if nextn:
+        # llama.cpp's converter counts the MTP layers in `block_count` (Glm4MoeModel,
+        # DeepseekV32Model in convert_hf_to_gguf.py: num_hidden_layers + num_nextn_predict_layers)
+        # and writes their number here; the decoder layers are the others.
+        blocks = cfg["num_hidden_layers"]
+        for key, v in (("nextn_predict_layers", nextn), ("block_count", blocks)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ModelConfigError(
+                    f"`{header.path}`: `{arch}.{key}` must be a non-negative integer, "
+                    f"got {_show(v)}"
+                )
+        if nextn >= blocks:
+            raise ModelConfigError(
+                f"`{header.path}`: `{arch}.nextn_predict_layers` = {nextn} leaves no decoder layer "
+                f"of the {blocks} in `{arch}.block_count`"
+            )
+        cfg["num_hidden_layers"] = blocks - nextn
+        cfg["num_nextn_predict_layers"] = nextn
+    if get("attention.shared_kv_layers"):  # Gemma-3n / Gemma-4 (llama.cpp n_kv_shared_layers)
+        cfg["num_kv_shared_layers"] = get("attention.shared_kv_layers")
     if get("rope.scaling.type") not in (None, "none"):
         cfg["rope_scaling"] = {
             "type": get("rope.scaling.type"),
@@ -334,7 +355,33 @@ def spec_from_gguf(path: str | os.PathLike[str], *, dtype: str | None = None) ->
         if str(header.path) in str(e):
             raise
         raise ModelConfigError(f"`{header.path}`: {e}") from None
+    spec = _with_swa_head_dims(header, spec)
     return spec if dtype is not None else replace(spec, dtype_source="gguf")
+
+
+def _with_swa_head_dims(header: GGUFHeader, spec: ModelSpec) -> ModelSpec:
+    """``key_length_swa`` / ``value_length_swa``: K and V head sizes of the sliding layers.
+
+    llama.cpp (``n_embd_head_k_swa`` / ``n_embd_head_v_swa`` in ``src/llama-model.cpp``) takes
+    them for the sliding layers and the full-layer sizes when absent. No ``config.json`` field
+    of the architectures transformers 5.23.0 ships with this geometry carries them, so they
+    join the spec here rather than through the config dict.
+    """
+    arch = header.arch
+    dims = []
+    for key, full in (("key_length_swa", spec.head_dim), ("value_length_swa", spec.v_head_dim)):
+        v = header.metadata.get(f"{arch}.attention.{key}")
+        if v is None:
+            dims.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ModelConfigError(
+                f"`{header.path}`: `{arch}.attention.{key}` must be a positive integer, "
+                f"got {_show(v)}"
+            )
+        dims.append(None if v == full or "sliding" not in spec.layer_kinds else v)
+    # (each defaults to its full-layer size on its own, as in llama.cpp)
+    return replace(spec, sliding_head_dim=dims[0], sliding_v_head_dim=dims[1])
 
 
 # ---------------------------------------------------------------------------------- weights
