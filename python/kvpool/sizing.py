@@ -509,10 +509,7 @@ def size_for(
 def _mtp_spec(spec: ModelSpec) -> ModelSpec:
     """The target's MTP layers as a draft spec: its geometry, ``n`` full (or MLA) layers."""
     f = spec.fields
-    n = getattr(spec, "num_nextn_predict_layers", None) or f.int(
-        "num_nextn_predict_layers", default=0
-    )
-    n = n or f.int("mtp_num_hidden_layers", default=0)
+    n = spec.num_nextn_predict_layers
     if n == 0:
         raise _core.ModelConfigError(
             f"draft='mtp' but `{spec.name}` declares no MTP layers: `num_nextn_predict_layers` "
@@ -521,7 +518,8 @@ def _mtp_spec(spec: ModelSpec) -> ModelSpec:
         )
     return dataclasses.replace(
         spec, name=f"{spec.name} (MTP)", layer_kinds=("full",) * n, sliding_window=None,
-        linear_attention={},
+        linear_attention={}, kv_shared_sources={}, sliding_head_dim=None,
+        sliding_v_head_dim=None, num_nextn_predict_layers=0,
     )  # fmt: skip
 
 
