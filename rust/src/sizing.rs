@@ -143,6 +143,8 @@ impl Plan {
             if pages > caps[0] {
                 (pages, capped[0]) = (caps[0], true);
             }
+            // (a one-space sliding model may get fewer pages than a chunk; it holds no request)
+            let headroom = vec![headroom[0].min(pages)];
             return Ok(Self { layout, target, pages: vec![pages], headroom, capped_by_int32: capped, budget });
         }
         // bytes(N) = a + N * b, exact in u128
@@ -205,6 +207,7 @@ impl Plan {
             }
         }
         let budget = layout.checked_total_bytes(&pages).ok_or(SizingError::TooLarge { num_tokens })?;
+        let headroom = headroom.iter().zip(&pages).map(|(&h, &p)| h.min(p)).collect();
         Ok(Self { layout, target, pages, headroom, capped_by_int32: capped, budget })
     }
 
