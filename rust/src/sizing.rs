@@ -483,4 +483,25 @@ mod tests {
         m.layers[3] = LayerKind::Shared { source: 3 };
         assert!(matches!(Layout::new(&m, &cfg(KvDtype::Bf16, 1, 1)), Err(LayoutError::Model(ModelError::BadSharedSource { layer: 3, .. }))));
     }
+
+    #[test]
+    fn one_space_per_window_with_its_own_head_dims() {
+        // 2 full layers (head_dim 128), sliding layers of windows 512 and 1,024 (head_dim 64)
+        let mut m = gqa(4, 2, 128);
+        m.layers[1] = LayerKind::Sliding { window: 1024 };
+        m.layers[2] = LayerKind::Sliding { window: 512 };
+        m.sliding_head_dim = Some(64);
+        m.sliding_v_head_dim = Some(64);
+        let plan = Plan::new(&m, &cfg(KvDtype::Bf16, 16, 1), Target::default(), GIB).unwrap();
+        let names: Vec<&str> = plan.layout.spaces.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["primary", "sliding_512", "sliding_1024"]);
+        // full: 2 layers x 2 x 2 heads x 128 x 2 B = 2,048; each sliding layer 2 x 2 x 64 x 2 = 512
+        assert_eq!(plan.layout.space_row_bytes(0), 2_048);
+        assert_eq!((plan.layout.space_row_bytes(1), plan.layout.space_row_bytes(2)), (512, 512));
+        // 8k requests: 512 / 16 + 1 = 33 and 1,024 / 16 + 1 = 65 pages; headroom 512 - 33, 512 - 65
+        let n = plan.requests_fit(8192).unwrap();
+        assert_eq!(plan.headroom, vec![0, 479, 447]);
+        assert_eq!((plan.pages[1], plan.pages[2]), (33 * n + 479, 65 * n + 447));
+        assert_eq!(plan.request_bytes(8192), Ok(8192 * 2_048 + (33 + 65) * 16 * 512));
+    }
 }
