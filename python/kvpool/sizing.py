@@ -114,15 +114,17 @@ class Plan:
     num_pages, page_size : int
         Usable pages (ids ``1..num_pages``; page 0 is the padding page) and tokens per page.
     bytes_per_token : int
-        Bytes every token slot costs across all buffers (data, block scales, workspace).
+        Bytes every token slot of the first page space costs across its buffers (data, block
+        scales, workspace); other spaces' in :attr:`page_spaces`.
     fixed_bytes : int
         Bytes that do not grow with the pool (per-layer fp32 scales).
     total_bytes : int
-        ``(num_tokens + page_size) * bytes_per_token + fixed_bytes``; equals
-        ``sum(b.nbytes for b in buffers)``.
-    k_bytes, v_bytes, scale_bytes, workspace_bytes : int
-        K data (MLA: the latent), V data, every scale buffer, the shared FP8 workspace; they add
-        up to ``total_bytes``.
+        The sum over page spaces of ``rows * bytes_per_token`` plus ``fixed_bytes`` (one space:
+        ``(num_tokens + page_size) * bytes_per_token + fixed_bytes``); equals
+        ``sum(b.nbytes for b in buffers)`` and ``sum(g.bytes for g in groups)``.
+    k_bytes, v_bytes, scale_bytes, workspace_bytes, state_bytes : int
+        K data (MLA: the latent; draft layers included), V data, every scale buffer, the FP8
+        workspaces, the linear-attention state slots; they add up to ``total_bytes``.
     budget : Budget or None
         How the budget was derived (None when the plan was made for a given token count).
     num_state_slots : int
