@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 
 import kvpool
@@ -107,3 +108,74 @@ def test_geometry_unchanged_for_models_without_new_facts():
     plan = kvpool.size_for("meta-llama/Llama-3.1-8B", "bf16", num_tokens=16)
     # 32 layers x 8 KV heads x 128 x (K + V) x 2 B
     assert plan.bytes_per_token == 32 * 8 * 128 * 2 * 2 == 131_072
+
+
+# ------------------------------------------------------------------ inconsistent configs
+NEXT = "Qwen/Qwen3-Next-80B-A3B-Thinking"
+
+
+@pytest.mark.parametrize("model, patch, text", [
+    # layer_types of the wrong length, or naming no known kind
+    ("openai/gpt-oss-20b", {"layer_types": ["sliding_attention"] * 23},
+     "`layer_types` must list one entry per layer (24), got 23"),
+    ("openai/gpt-oss-20b", {"layer_types": "sliding_attention"},
+     "`layer_types` must list one entry per layer (24), got str"),
+    ("openai/gpt-oss-20b", {"layer_types": [None] * 24}, "`layer_types[0]` must be a string"),
+    # sliding layers without a positive window
+    ("openai/gpt-oss-20b", {"sliding_window": 0}, "no positive `sliding_window`"),
+    ("openai/gpt-oss-20b", {"sliding_window": None}, "no positive `sliding_window`"),
+    ("openai/gpt-oss-20b", {"sliding_window": -128}, "`sliding_window` must be a non-negative"),
+    ("openai/gpt-oss-20b", {"sliding_window": 128.0}, "`sliding_window` must be a non-negative"),
+    ("google/gemma-2-9b-it", {"sliding_window": 0}, "no positive `sliding_window`"),
+    ("Qwen/Qwen3-8B", {"use_sliding_window": "yes", "sliding_window": 4096},
+     "`use_sliding_window` must be true, false or null, got 'yes'"),
+    # linear-attention fields
+    (NEXT, {"linear_num_value_heads": 24}, "`linear_num_value_heads` = 24 is not a multiple of "
+     "`linear_num_key_heads` = 16"),
+    (NEXT, {"linear_key_head_dim": 0}, "`linear_key_head_dim` must be positive, got 0"),
+    (NEXT, {"linear_num_key_heads": -1}, "`linear_num_key_heads` must be a non-negative"),
+    (NEXT, {"full_attention_interval": 0}, "`full_attention_interval` must be positive"),
+    # MLA
+    ("deepseek-ai/DeepSeek-V3", {"kv_lora_rank": 0}, "`kv_lora_rank` must be positive, got 0"),
+    # shared KV
+    ("google/gemma-2-9b-it", {"num_kv_shared_layers": 42}, "`num_kv_shared_layers` = 42 leaves"),
+])  # fmt: skip
+def test_inconsistent_config_names_the_field(model, patch, text):
+    cfg = {**bundled(model), **patch}
+    with pytest.raises(ModelConfigError, match=re.escape(text)):
+        ModelSpec.from_dict(cfg)
+
+
+def test_consistent_shared_config_on_a_bundled_model():
+    # gemma-2-9b: 42 layers alternating; the last 2 (40 sliding, 41 full) read 38 and 39
+    spec = ModelSpec.from_dict({**bundled("google/gemma-2-9b-it"), "num_kv_shared_layers": 2})
+    assert spec.kv_shared_sources == {40: 38, 41: 39}
+    assert spec.layer_kinds[-3:] == ("full", "shared", "shared")
+
+
+def test_config_swa_head_dims():
+    cfg = {**bundled("openai/gpt-oss-20b"), "swa_head_dim": 32}
+    spec = ModelSpec.from_dict(cfg)
+    # V of the sliding layers follows swa_head_dim unless swa_v_head_dim says otherwise
+    assert (spec.head_dim, spec.sliding_head_dim, spec.sliding_v_head_dim) == (64, 32, 32)
+    spec = ModelSpec.from_dict({**cfg, "swa_v_head_dim": 64})
+    assert (spec.sliding_head_dim, spec.sliding_v_head_dim) == (32, None)
+    # no sliding layers: nothing differs
+    llama = {**bundled("meta-llama/Llama-3.1-8B"), "swa_head_dim": 32}
+    assert ModelSpec.from_dict(llama).sliding_head_dim is None
+    with pytest.raises(ModelConfigError, match="`swa_head_dim` must be positive, got 0"):
+        ModelSpec.from_dict({**cfg, "swa_head_dim": 0})
+
+
+@pytest.mark.parametrize("patch, name", [
+    ({"swa_num_key_value_heads": 4}, "swa_num_key_value_heads"),
+    ({"swa_num_attention_heads": 32}, "swa_num_attention_heads"),
+    ({"global_head_dim": 512}, "global_head_dim"),
+    ({"num_global_key_value_heads": 2}, "num_global_key_value_heads"),
+])  # fmt: skip
+def test_per_kind_head_counts_are_refused(patch, name):
+    with pytest.raises(ModelConfigError, match=f"`{name}` = "):
+        ModelSpec.from_dict({**bundled("openai/gpt-oss-20b"), **patch})
+    # the same counts as the full layers are no difference
+    same = {"swa_num_key_value_heads": 8, "swa_num_attention_heads": 64}
+    assert ModelSpec.from_dict({**bundled("openai/gpt-oss-20b"), **same}).num_kv_heads == 8

@@ -392,3 +392,122 @@ def test_swa_head_dims(tmp_path):
                          lambda w: w.add_int32("llama.attention.value_length_swa", 0))
     with pytest.raises(ModelConfigError, match="value_length_swa` must be a positive integer"):
         kvpool.ModelSpec.from_pretrained(bad)
+
+
+def _arch_gguf(path, arch, n_layers, *add):
+    """A GGUF of architecture ``arch`` with ``n_layers`` layers, 4 heads of 16, 2 KV heads."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    for f in add:
+        f(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return kvpool.ModelSpec.from_pretrained(path)
+
+
+def _kinds(pattern: str) -> tuple[str, ...]:
+    return tuple({"S": "sliding", "F": "full", "X": "shared"}[c] for c in pattern)
+
+
+def _window(n):
+    return lambda w: w.add_sliding_window(n)
+
+
+# llama.cpp's fixed periods (set_swa_pattern in src/llama-model.cpp): layer i slides iff
+# i % n < n - 1
+@pytest.mark.parametrize("arch, n_layers, kinds", [
+    ("gemma2", 6, "SFSFSF"),        # period 2: even layers slide
+    ("gpt-oss", 6, "SFSFSF"),       # period 2
+    ("gemma3", 12, "SSSSSFSSSSSF"),  # period 6: layer i full iff (i + 1) % 6 == 0
+    ("cohere2", 8, "SSSFSSSF"),     # period 4
+])  # fmt: skip
+def test_gguf_fixed_sliding_patterns(tmp_path, arch, n_layers, kinds):
+    spec = _arch_gguf(tmp_path / "m.gguf", arch, n_layers, _window(64))
+    assert spec.layer_kinds == _kinds(kinds)
+    assert spec.sliding_window == 64
+
+
+def test_gguf_pattern_key_as_period_and_as_array(tmp_path):
+    spec = _arch_gguf(tmp_path / "p.gguf", "gemma3", 6, _window(32),
+                      lambda w: w.add_sliding_window_pattern(3))  # fmt: skip
+    assert spec.layer_kinds == _kinds("SSFSSF")
+    bools = [True, False, False, True, True, False]
+    spec = _arch_gguf(tmp_path / "a.gguf", "llama", 6, _window(32),
+                      lambda w: w.add_sliding_window_pattern(bools))  # fmt: skip
+    assert spec.layer_kinds == _kinds("SFFSSF")
+    # period 0: every layer slides; period 1: none
+    spec = _arch_gguf(tmp_path / "z.gguf", "gpt-oss", 4, _window(32),
+                      lambda w: w.add_sliding_window_pattern(0))  # fmt: skip
+    assert spec.layer_kinds == _kinds("SSSS")
+    spec = _arch_gguf(tmp_path / "o.gguf", "gpt-oss", 4, _window(32),
+                      lambda w: w.add_sliding_window_pattern(1))  # fmt: skip
+    assert spec.layer_kinds == _kinds("FFFF") and spec.sliding_window is None
+
+
+def test_gguf_zero_or_missing_window_means_full_layers(tmp_path):
+    spec = _arch_gguf(tmp_path / "g3.gguf", "gemma3", 6, _window(0))
+    assert spec.layer_kinds == _kinds("FFFFFF") and spec.sliding_window is None
+    spec = _arch_gguf(tmp_path / "g3n.gguf", "gemma3", 6)
+    assert spec.layer_kinds == _kinds("FFFFFF")
+    # gemma2 files without the key: llama.cpp's 4096
+    spec = _arch_gguf(tmp_path / "g2.gguf", "gemma2", 4)
+    assert spec.layer_kinds == _kinds("SFSF") and spec.sliding_window == 4096
+
+
+@pytest.mark.parametrize("value, text", [
+    (lambda w: w.add_sliding_window_pattern([True, False]), "one bool per layer (6)"),
+    (lambda w: w.add_array("gemma3.attention.sliding_window_pattern", [1, 0, 1, 0, 1, 0]),
+     "one bool per layer (6)"),
+    (lambda w: w.add_int32("gemma3.attention.sliding_window_pattern", -2), "period, got -2"),
+    (lambda w: w.add_string("gemma3.attention.sliding_window_pattern", "6"), "period, got '6'"),
+])  # fmt: skip
+def test_gguf_bad_sliding_pattern(tmp_path, value, text):
+    with pytest.raises(ModelConfigError, match=re.escape(text)) as e:
+        _arch_gguf(tmp_path / "bad.gguf", "gemma3", 6, _window(32), value)
+    assert "gemma3.attention.sliding_window_pattern" in str(e.value)
+
+
+def test_gguf_negative_window_with_sliding_layers(tmp_path):
+    with pytest.raises(ModelConfigError, match="sliding_window"):
+        _arch_gguf(tmp_path / "neg.gguf", "gemma2", 4,
+                   lambda w: w.add_int32("gemma2.attention.sliding_window", -8))  # fmt: skip
+
+
+def test_gguf_sliding_layers_take_the_swa_head_sizes(tmp_path):
+    def swa(w):
+        w.add_key_length_swa(8)
+        w.add_value_length_swa(4)
+
+    spec = _arch_gguf(tmp_path / "swa.gguf", "gemma3", 6, _window(32), swa)
+    assert spec.layer_kinds == _kinds("SSSSSF")
+    assert (spec.head_dim, spec.v_head_dim) == (16, 16)
+    assert (spec.sliding_head_dim, spec.sliding_v_head_dim) == (8, 4)
+
+
+def test_gguf_gemma3n_shared_layers(tmp_path):
+    # 30 layers, every 5th full; no shared_kv_layers key: llama.cpp keeps KV for 20 layers, so
+    # 20..29 share: the full ones (24, 29) read layer 19, the sliding ones layer 18
+    spec = _arch_gguf(tmp_path / "e2b.gguf", "gemma3n", 30, _window(512))
+    assert spec.layer_kinds == _kinds("SSSSF" * 4 + "X" * 10)
+    assert spec.kv_shared_sources == {i: 19 if i in (24, 29) else 18 for i in range(20, 30)}
+    # with the key (Gemma-3n/Gemma-4 converters write it)
+    spec = _arch_gguf(tmp_path / "k.gguf", "gemma3n", 10, _window(512),
+                      lambda w: w.add_shared_kv_layers(5))  # fmt: skip
+    assert spec.layer_kinds == _kinds("SSSSF" + "X" * 5)
+    assert spec.kv_shared_sources == {5: 3, 6: 3, 7: 3, 8: 3, 9: 4}
+    with pytest.raises(ModelConfigError, match="num_kv_shared_layers"):
+        _arch_gguf(tmp_path / "k2.gguf", "gemma3n", 10, _window(512),
+                   lambda w: w.add_shared_kv_layers(10))  # fmt: skip
+
+
+def test_gguf_specs_take_no_transformers_defaults(tmp_path):
+    spec = _arch_gguf(tmp_path / "g2.gguf", "gemma2", 4, _window(64))
+    assert spec.defaults_from is None and spec.defaulted_fields == ()

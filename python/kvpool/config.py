@@ -1,18 +1,23 @@
 """Model geometry from a Hugging Face ``config.json`` (file, model directory, bundled name or dict).
 
-Rules (each learnt from a fault seen in a peer engine, see ``shared/CASES.md``):
+Rules (each learnt from a fault seen in peer engines):
 
 - ``head_dim`` is taken as declared; only when it is absent or ``null`` is it
-  ``hidden_size / num_attention_heads``, which must divide exactly (KVB-01).
+  ``hidden_size / num_attention_heads``, which must divide exactly.
 - ``num_key_value_heads`` defaults to ``num_attention_heads`` (multi-head attention).
 - The language model's fields nested under ``text_config`` / ``language_config`` /
   ``llm_config`` / ``thinker_config`` are searched before the top level, whose fields may
   describe a vision tower.
+- A field absent from the file takes the transformers class default of the language model's
+  ``model_type`` (:mod:`kvpool.config_defaults`), as transformers itself does on load; a field
+  set to ``null`` stays null.
 - ``layer_types`` wins over ``full_attention_interval`` and over sliding-window patterns.
 - MLA (``kv_lora_rank``) stores one latent of ``kv_lora_rank + qk_rope_head_dim`` values per
   token and layer; a sparse-attention indexer cache (``index_head_dim``) is refused explicitly.
-- A field that is needed and missing raises :class:`kvpool.ModelConfigError` naming it; nothing
-  is defaulted silently.
+- ``num_kv_shared_layers`` (Gemma-3n): the last layers own no KV and read an earlier layer's.
+- A field that is needed, missing and without a class default, or inconsistent with the others
+  (layer counts, windows, shared layers, linear-attention heads), raises
+  :class:`kvpool.ModelConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool._core import ModelConfigError, ModelGeometry
+from kvpool.config_defaults import ALIASES, DEFAULTS, SLIDING_PERIOD, table_entry
 
 _NESTED = ("text_config", "language_config", "llm_config", "thinker_config")
 _DTYPE_NAMES = {
@@ -88,15 +94,33 @@ def _scopes(d: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 class _Fields:
-    """Looks fields up in the nested language-model config first, then the top level."""
+    """Field lookup: nested language-model config, top level, then the class defaults.
 
-    def __init__(self, config: dict[str, Any]):
+    The defaults (:mod:`kvpool.config_defaults`, by the language model's ``model_type``) serve
+    only a field absent from every scope.
+    """
+
+    def __init__(self, config: dict[str, Any], *, defaults: bool = True):
         self.scopes = _scopes(config)
+        # the innermost scope that names its model_type says which class the fields belong to
+        types = [s["model_type"] for s in self.scopes if "model_type" in s]
+        self.table = table_entry(types[0]) if defaults and types else None
+        self.defaults = DEFAULTS.get(self.table, {}) if self.table else {}
+        #: names of the fields served from the defaults table, in lookup order
+        self.defaulted: dict[str, None] = {}
 
     def get(self, name: str, default: Any = None) -> Any:
+        present = False
         for scope in self.scopes:
-            if scope.get(name) is not None:
-                return scope[name]
+            if name in scope:
+                present = True
+                if scope[name] is not None:
+                    return scope[name]
+        # a field the file sets to null is null, as transformers reads it; only an absent one
+        # takes the class default
+        if not present and name in self.defaults:
+            self.defaulted[name] = None
+            return self.defaults[name]
         return default
 
     def has(self, name: str) -> bool:
@@ -107,7 +131,12 @@ class _Fields:
         if v is None:
             if default is not None:
                 return default
-            raise ModelConfigError(f"model config lacks `{name}`")
+            if self.table is None:
+                raise ModelConfigError(f"model config lacks `{name}`")
+            raise ModelConfigError(
+                f"model config lacks `{name}`, which has no transformers default for "
+                f"`model_type` `{self.table}` either"
+            )
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ModelConfigError(f"`{name}` must be a non-negative integer, got {v!r}")
         if v > _MAX_FIELD:
@@ -149,7 +178,8 @@ class ModelSpec:
         ``ssm_dtype_bytes``.
     sliding_head_dim, sliding_v_head_dim : int or None
         K and V values per head of the ``sliding`` layers when they differ from ``head_dim`` /
-        ``v_head_dim`` (GGUF ``<arch>.attention.key_length_swa`` / ``value_length_swa``);
+        ``v_head_dim`` (config ``swa_head_dim`` / ``swa_v_head_dim``, GGUF
+        ``<arch>.attention.key_length_swa`` / ``value_length_swa``);
         ``None`` means the same as the full layers (and always when there are no sliding layers).
     kv_shared_sources : dict of int to int
         ``{layer: source_layer}`` for the layers of kind ``"shared"``, which own no KV and attend
@@ -160,6 +190,12 @@ class ModelSpec:
         (DeepSeek-V3/R1 and Kimi-K2 declare 1; Qwen3.5 names it ``mtp_num_hidden_layers``).
         SGLang's NEXTN speculative decoding runs them with their own KV; they are not in
         ``layer_kinds``.
+    defaults_from : str or None
+        The :data:`kvpool.config_defaults.DEFAULTS` entry (a ``model_type``) whose transformers
+        class defaults stand in for fields the config leaves out; ``None`` when none applies
+        (unknown ``model_type``, or a GGUF file, whose metadata llama.cpp defaults differently).
+    defaulted_fields : tuple of str
+        The fields ``from_dict`` took from that entry, in the order it read them.
     config : dict
         The raw config.
     path : Path or None
@@ -182,6 +218,8 @@ class ModelSpec:
     sliding_v_head_dim: int | None = None
     kv_shared_sources: dict[int, int] = field(default_factory=dict)
     num_nextn_predict_layers: int = 0
+    defaults_from: str | None = None
+    defaulted_fields: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict, repr=False)
     path: Path | None = None
 
@@ -244,8 +282,24 @@ class ModelSpec:
         name: str = "<dict>",
         dtype: str | None = None,
         path: Path | None = None,
+        defaults: bool = True,
     ) -> ModelSpec:
         """Build a spec from a parsed ``config.json``.
+
+        Parameters
+        ----------
+        config : dict
+            The parsed config (nested ``text_config`` etc. searched first).
+        name : str
+            What the spec is called (``ModelSpec.name``).
+        dtype : str, optional
+            The compute dtype, overriding the config's ``torch_dtype``.
+        path : Path, optional
+            The model directory (for the checkpoint's weight size).
+        defaults : bool
+            Fill fields absent from the config with the Hugging Face transformers class
+            defaults of its ``model_type`` (:mod:`kvpool.config_defaults`), as transformers does
+            when it loads the file. Fields without such a default must be in the config.
 
         Raises
         ------
@@ -254,7 +308,7 @@ class ModelSpec:
         """
         if not isinstance(config, dict):
             raise ModelConfigError(f"model config must be a dict, got {type(config).__name__}")
-        f = _Fields(config)
+        f = _Fields(config, defaults=defaults)
         if f.has("index_head_dim"):
             raise ModelConfigError(
                 f"`index_head_dim` = {f.get('index_head_dim')}: this model keeps a sparse-"
@@ -297,7 +351,10 @@ class ModelSpec:
         if f.has("kv_lora_rank"):
             kv_lora_rank = f.int("kv_lora_rank")
             qk_rope = f.int("qk_rope_head_dim")
+            if kv_lora_rank == 0:
+                raise ModelConfigError("`kv_lora_rank` must be positive, got 0")
         kinds, window = _layer_kinds(f, num_layers)
+        swa_k, swa_v = _sliding_head_dims(f, kinds, heads, kv_heads, head_dim, v_head_dim)
         shared = _kv_shared_sources(f, kinds)
         for i in shared:
             kinds[i] = "shared"
@@ -314,6 +371,8 @@ class ModelSpec:
             head_dim=head_dim,
             v_head_dim=v_head_dim,
             sliding_window=window,
+            sliding_head_dim=swa_k,
+            sliding_v_head_dim=swa_v,
             kv_lora_rank=kv_lora_rank,
             qk_rope_head_dim=qk_rope,
             dtype=model_dtype,
@@ -321,6 +380,8 @@ class ModelSpec:
             linear_attention=linear,
             kv_shared_sources=shared,
             num_nextn_predict_layers=nextn,
+            defaults_from=f.table,
+            defaulted_fields=tuple(f.defaulted),
             config=config,
             path=path,
         )
@@ -349,8 +410,8 @@ class ModelSpec:
 
     @property
     def fields(self) -> _Fields:
-        """Field lookup over the raw config (nested language config first)."""
-        return _Fields(self.config)
+        """Field lookup over the raw config (nested language config first, then the defaults)."""
+        return _Fields(self.config, defaults=self.defaults_from is not None)
 
     def geometry(self, tp_size: int = 1) -> ModelGeometry:
         """The Rust-side geometry; linear-attention state is sharded for ``tp_size`` ranks."""
@@ -413,7 +474,7 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
         if every == 0:
             raise ModelConfigError("`full_attention_interval` must be positive, got 0")
         kinds = ["full" if (i + 1) % every == 0 else "linear" for i in range(num_layers)]
-    elif window is not None and f.get("use_sliding_window", True) is not False:
+    elif window is not None and _use_sliding_window(f):
         kinds = _sliding_pattern(f, num_layers)
     else:
         kinds = ["full"] * num_layers
@@ -423,6 +484,39 @@ def _layer_kinds(f: _Fields, num_layers: int) -> tuple[list[str], int | None]:
     else:
         window = None
     return kinds, window
+
+
+def _sliding_head_dims(
+    f: _Fields, kinds: list[str], heads: int, kv_heads: int, head_dim: int, v_head_dim: int
+) -> tuple[int | None, int | None]:
+    """Head sizes of the sliding layers where the config gives them their own (else ``None``).
+
+    transformers 5.23.0 names them ``swa_head_dim`` (``models/inkling/configuration_inkling.py``;
+    V the same size, there being no ``swa_v_head_dim`` in it; MiMo-V2's remote config adds
+    ``swa_v_head_dim``). Per-kind head *counts* (``swa_num_key_value_heads``) and Gemma-4's
+    full-layer geometry (``global_head_dim``, ``num_global_key_value_heads``) are refused: the spec
+    holds one KV head count, and guessing would under-size the pool.
+    """
+    for name, same in (("swa_num_key_value_heads", kv_heads), ("swa_num_attention_heads", heads)):
+        if f.has(name) and f.int(name) != same:
+            raise ModelConfigError(
+                f"`{name}` = {f.get(name)} differs from the full layers' {same}; kvpool does not "
+                "size sliding layers with their own head counts yet"
+            )
+    for name in ("global_head_dim", "num_global_key_value_heads"):
+        if f.has(name):
+            raise ModelConfigError(
+                f"`{name}` = {f.get(name)}: full layers with their own head geometry (Gemma-4 "
+                "style) are not sized yet; refusing rather than mis-counting their bytes"
+            )
+    if not f.has("swa_head_dim") or "sliding" not in kinds:
+        return None, None
+    k = f.int("swa_head_dim")
+    v = f.int("swa_v_head_dim") if f.has("swa_v_head_dim") else k
+    for name, x in (("swa_head_dim", k), ("swa_v_head_dim", v)):
+        if x == 0:
+            raise ModelConfigError(f"`{name}` must be positive, got 0")
+    return (None if k == head_dim else k), (None if v == v_head_dim else v)
 
 
 def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:
@@ -460,6 +554,13 @@ def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:
     return out
 
 
+def _use_sliding_window(f: _Fields) -> bool:
+    use = f.get("use_sliding_window", True)
+    if not isinstance(use, bool):
+        raise ModelConfigError(f"`use_sliding_window` must be true, false or null, got {use!r}")
+    return use
+
+
 def _layer_type(t: object, i: int) -> str:
     if not isinstance(t, str):
         raise ModelConfigError(f"`layer_types[{i}]` must be a string, got {t!r}")
@@ -489,16 +590,18 @@ _LAYER_TYPES = {
 
 def _sliding_pattern(f: _Fields, num_layers: int) -> list[str]:
     model_type = str(f.get("model_type", ""))
+    period = SLIDING_PERIOD.get(ALIASES.get(model_type, model_type))
+    if period is not None:
+        # the fixed pattern transformers builds for these architectures (Gemma 2, gpt-oss:
+        # even layers sliding, odd full; Gemma-3n: every 5th full), whatever else the config says
+        return ["full" if (i + 1) % period == 0 else "sliding" for i in range(num_layers)]
     pattern = f.get("sliding_window_pattern")
-    if model_type == "gemma2":
-        # Gemma 2 alternates: even layers local (sliding), odd layers global.
-        return ["sliding" if i % 2 == 0 else "full" for i in range(num_layers)]
     if pattern is not None:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise ModelConfigError(
                 f"`sliding_window_pattern` must be a positive integer, got {pattern!r}"
             )
-        # Gemma 3: every `pattern`-th layer is global.
+        # Gemma 3, Cohere 2: every `pattern`-th layer is global.
         return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
     if f.has("max_window_layers") and model_type.startswith("qwen"):
         # Qwen2 with use_sliding_window: layers from max_window_layers on use the window.
@@ -536,6 +639,12 @@ def _linear_attention(f: _Fields) -> dict[str, Any]:
         dims[name] = f.int(name)
         if dims[name] == 0:
             raise ModelConfigError(f"`{name}` must be positive, got 0")
+    kh, vh = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
+    if vh % kh:
+        # Gated DeltaNet repeats each Q/K head over num_value_heads / num_key_heads V heads
+        raise ModelConfigError(
+            f"`linear_num_value_heads` = {vh} is not a multiple of `linear_num_key_heads` = {kh}"
+        )
     return {
         "num_key_heads": dims["linear_num_key_heads"],
         "num_value_heads": dims["linear_num_value_heads"],

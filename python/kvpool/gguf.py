@@ -294,12 +294,78 @@ def config_from_gguf(header: GGUFHeader) -> dict[str, Any]:
         cfg["num_nextn_predict_layers"] = nextn
     if get("attention.shared_kv_layers"):  # Gemma-3n / Gemma-4 (llama.cpp n_kv_shared_layers)
         cfg["num_kv_shared_layers"] = get("attention.shared_kv_layers")
+    elif arch == "gemma3n" and _count(cfg["num_hidden_layers"]) > _GEMMA3N_KV_LAYERS:
+        # files without the key: llama.cpp keeps KV for the first 20 layers only
+        # (n_layer_kv_from_start = 20), the others share it
+        cfg["num_kv_shared_layers"] = cfg["num_hidden_layers"] - _GEMMA3N_KV_LAYERS
+    _sliding_layers(header, cfg)
     if get("rope.scaling.type") not in (None, "none"):
         cfg["rope_scaling"] = {
             "type": get("rope.scaling.type"),
             "factor": get("rope.scaling.factor"),
         }
     return {k: v for k, v in cfg.items() if v is not None}
+
+
+#: llama.cpp's fixed sliding-window period per architecture (``set_swa_pattern(n)`` in
+#: ``src/llama-model.cpp``) when the file has no ``sliding_window_pattern``: layer ``i`` slides
+#: iff ``i % n < n - 1`` (gemma2, gpt-oss: even layers; gemma3: all but every 6th; cohere2: all
+#: but every 4th; gemma3n: all but every 5th).
+_SWA_PERIOD = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "gpt-oss": 2,
+               "cohere2": 4}  # fmt: skip
+# llama.cpp's window for gemma2 files that do not state one ("default value of gemma 2")
+_GEMMA2_WINDOW = 4096
+_GEMMA3N_KV_LAYERS = 20
+
+
+def _count(v: Any) -> int:
+    """``v`` if it is a non-negative int (a layer count), else -1 (``from_dict`` names it)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else -1
+
+
+def _sliding_layers(header: GGUFHeader, cfg: dict[str, Any]) -> None:
+    """Write ``layer_types`` (and the window) for the sliding-window layers, as llama.cpp sees them.
+
+    ``<arch>.attention.sliding_window_pattern`` wins: an array of one bool per layer (true:
+    sliding) or a period ``n`` (layer ``i`` slides iff ``n == 0`` or ``i % n < n - 1``;
+    ``llama_hparams::set_swa_pattern`` in ``src/llama-hparams.cpp``, ``gguf-py``
+    ``add_sliding_window_pattern``). Without it the architectures of :data:`_SWA_PERIOD` use their
+    fixed period. A window of 0 means no sliding layers (llama.cpp's gemma3 loader). Other
+    architectures keep ``from_dict``'s reading of ``sliding_window``.
+    """
+    arch, m = header.arch, header.metadata
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = m.get(key)
+    n = _count(cfg["num_hidden_layers"])
+    if n <= 0:
+        return
+    if arch == "gemma2" and "sliding_window" not in cfg:
+        cfg["sliding_window"] = _GEMMA2_WINDOW
+    window = cfg.get("sliding_window")
+    if pattern is None and arch not in _SWA_PERIOD:
+        return
+    if window is None or window == 0:
+        cfg.pop("sliding_window", None)
+        cfg["layer_types"] = ["full_attention"] * n
+        return
+    if isinstance(pattern, list):
+        blocks = n + cfg.get("num_nextn_predict_layers", 0)
+        # one entry per layer of the file; the MTP layers at the end (if counted) never slide
+        if len(pattern) not in (n, blocks) or not all(isinstance(x, bool) for x in pattern):
+            raise ModelConfigError(
+                f"`{header.path}`: `{key}` must be one bool per layer ({n}) or a period, got "
+                f"{_show(pattern)}"
+            )
+        sliding = pattern[:n]
+    else:
+        period = _SWA_PERIOD.get(arch) if pattern is None else pattern
+        if isinstance(period, bool) or not isinstance(period, int) or period < 0:
+            raise ModelConfigError(
+                f"`{header.path}`: `{key}` must be one bool per layer or a non-negative period, "
+                f"got {_show(pattern)}"
+            )
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
+    cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
 
 
 def _vocab_size(header: GGUFHeader) -> int | None:
@@ -349,7 +415,10 @@ def spec_from_gguf(path: str | os.PathLike[str], *, dtype: str | None = None) ->
     header = read_header(path)
     cfg = config_from_gguf(header)
     try:
-        spec = ModelSpec.from_dict(cfg, name=str(header.path), dtype=dtype or "fp32")
+        # (no transformers defaults: llama.cpp defaults missing metadata its own way)
+        spec = ModelSpec.from_dict(
+            cfg, name=str(header.path), dtype=dtype or "fp32", defaults=False
+        )
     except ModelConfigError as e:
         # from_dict names the Hugging Face field (`num_key_value_heads`); say which file it was
         if str(header.path) in str(e):
@@ -363,9 +432,9 @@ def _with_swa_head_dims(header: GGUFHeader, spec: ModelSpec) -> ModelSpec:
     """``key_length_swa`` / ``value_length_swa``: K and V head sizes of the sliding layers.
 
     llama.cpp (``n_embd_head_k_swa`` / ``n_embd_head_v_swa`` in ``src/llama-model.cpp``) takes
-    them for the sliding layers and the full-layer sizes when absent. No ``config.json`` field
-    of the architectures transformers 5.23.0 ships with this geometry carries them, so they
-    join the spec here rather than through the config dict.
+    them for the sliding layers and the full-layer sizes when absent. They join the spec here,
+    not through the config dict: the one ``config.json`` name for them (``swa_head_dim``, of
+    transformers' Inkling) comes with per-kind head counts that GGUF files state otherwise.
     """
     arch = header.arch
     dims = []
