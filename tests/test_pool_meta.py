@@ -16,7 +16,8 @@ def test_meta_pool_allocates_exactly_the_plan(model, page_size):
         pool = kvpool.KVPool(plan, device="meta")
         assert pool.nbytes == plan.total_bytes
         assert sum(b.nbytes for b in plan.buffers) == plan.total_bytes
-        assert plan.k_bytes + plan.v_bytes + plan.scale_bytes + plan.workspace_bytes == plan.total_bytes
+        assert (plan.k_bytes + plan.v_bytes + plan.scale_bytes + plan.workspace_bytes
+                + plan.state_bytes == plan.total_bytes)
         assert plan.total_bytes <= plan.budget_bytes
         assert plan.num_tokens % page_size == 0
 

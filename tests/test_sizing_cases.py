@@ -58,8 +58,18 @@ def test_kvb03_sliding_layers_windowed_not_dropped():
     assert plan.request_bytes(100) != 3_686_400
     # full-length requests that fit a 1 GiB budget: 3 (window ignored: 1)
     assert plan.budget_bytes // plan.request_bytes(8192) == 3
-    # the pool itself stores sliding layers like full ones in this version
-    assert plan.bytes_per_token == 36 * per_layer
+    # the pool stores sliding layers in their own page space (issue 16): the primary space's
+    # rows cost the 18 full layers only, and 3 requests of 8k really fit
+    assert plan.bytes_per_token == 18 * per_layer
+    assert plan.page_spaces["sliding_128"]["bytes_per_token"] == 18 * per_layer
+    # the sliding space keeps one prefill chunk of headroom: min(8192, 8192 - 128) = 8,064 pages
+    # x 36,864 B = 297 MB, which costs one request at this budget; 512-token chunks cost little
+    assert plan.page_spaces["sliding_128"]["headroom_pages"] == 8_064
+    assert plan.requests_fit(8192) == 2
+    small_chunks = kvpool.size_for(GPT_OSS_LIKE, "bf16", chunked_prefill_size=512,
+                                   **budget_of(GIB))
+    assert small_chunks.page_spaces["sliding_128"]["headroom_pages"] == 512
+    assert small_chunks.requests_fit(8192) == 3
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -238,7 +248,9 @@ def test_per_layer_overrides_and_sliding_dtype():
                            layer_dtypes={1: "nvfp4"}, **budget_of(GIB))
     assert plan.layer_dtypes[:4] == ["bf16", "nvfp4", "bf16", "fp8_e4m3"]
     per = {"bf16": 2048, "fp8_e4m3": 1024, "nvfp4": 2 * 8 * (32 + 4)}
-    assert plan.bytes_per_token == 18 * per["bf16"] + per["nvfp4"] + 17 * per["fp8_e4m3"]
+    # sliding layers have their own page space now: the primary space holds the full layers
+    assert plan.bytes_per_token == per["nvfp4"] + 17 * per["fp8_e4m3"]
+    assert plan.page_spaces["sliding_128"]["bytes_per_token"] == 18 * per["bf16"]
 
 
 def test_hybrid_linear_attention_layers_get_no_pages():

@@ -17,12 +17,19 @@ class SizingError(ValueError): ...
 class BudgetTooSmallError(SizingError): ...
 
 class ModelGeometry:
-    """Attention geometry (global, before TP sharding)."""
+    """Attention geometry (global, before TP sharding).
+
+    ``linear_state``: per rank ``(conv_dim, conv_kernel - 1, conv dtype, num_v_heads,
+    k_head_dim, v_head_dim, ssm dtype)`` (dtypes fp32/bf16/fp16); without it,
+    ``linear_conv_bytes``/``linear_ssm_bytes`` store the state as raw bytes.
+    ``layer_windows``: per-layer window (overrides ``sliding_window``); ``kv_shared_sources``:
+    shared layer -> source layer; ``draft``: the draft model's geometry.
+    """
 
     def __init__(
         self,
         *,
-        layer_kinds: list[Literal["full", "sliding", "linear"]],
+        layer_kinds: list[Literal["full", "sliding", "linear", "shared"]],
         num_attention_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -32,12 +39,24 @@ class ModelGeometry:
         qk_rope_head_dim: int | None = None,
         linear_conv_bytes: int = 0,
         linear_ssm_bytes: int = 0,
+        layer_windows: list[int | None] | None = None,
+        sliding_head_dim: int | None = None,
+        sliding_v_head_dim: int | None = None,
+        kv_shared_sources: dict[int, int] | None = None,
+        linear_state: tuple[int, int, str, int, int, int, str] | None = None,
+        draft: ModelGeometry | None = None,
     ) -> None: ...
     def kv_heads_per_rank(self, tp_size: int) -> int: ...
     @property
     def num_layers(self) -> int: ...
 
-BufferRow = tuple[str, int | None, str, str, str, list[int], int]
+#: (name, layer, tensor, role, torch dtype, shape, nbytes, group, space)
+BufferRow = tuple[str, int | None, str, str, str, list[int], int, str, str]
+#: (name, kind, layers, space, kv_heads, head_dim, v_head_dim, bytes per row, bytes)
+GroupRow = tuple[str, str, list[int], str | None, int, int, int, int, int]
+#: (name, kind, page_size, num_pages, rows, bytes per row, bytes, headroom pages,
+#:  capped_by_int32, requests of context_len tokens)
+SpaceRow = tuple[str, str, int, int, int, int, int, int, bool, int]
 
 class Plan:
     """A sized pool (see ``kvpool.Plan`` for the documented wrapper)."""
@@ -47,7 +66,15 @@ class Plan:
     @property
     def num_pages(self) -> int: ...
     @property
+    def num_state_slots(self) -> int: ...
+    @property
     def page_size(self) -> int: ...
+    @property
+    def context_len(self) -> int: ...
+    @property
+    def chunked_prefill_size(self) -> int | None: ...
+    @property
+    def num_draft_tokens(self) -> int: ...
     @property
     def kv_heads_per_rank(self) -> int: ...
     @property
@@ -67,14 +94,23 @@ class Plan:
     @property
     def workspace_bytes(self) -> int: ...
     @property
+    def state_bytes(self) -> int: ...
+    @property
     def nvfp4_recipe(self) -> Nvfp4RecipeName: ...
     @property
     def dtype(self) -> str: ...
     @property
     def layer_dtypes(self) -> list[str | None]: ...
     @property
+    def shared_sources(self) -> list[int | None]: ...
+    @property
     def buffers(self) -> list[BufferRow]: ...
+    @property
+    def groups(self) -> list[GroupRow]: ...
+    @property
+    def page_spaces(self) -> list[SpaceRow]: ...
     def request_bytes(self, n: int) -> int: ...
+    def requests_fit(self, n: int) -> int: ...
     def linear_state_bytes(self) -> tuple[int, int]: ...
 
 def kv_budget_bytes(total_memory: int, available_memory: int, mem_frac: float) -> int: ...
@@ -90,6 +126,9 @@ def plan(
     sliding_dtype: str | None = None,
     budget: int | None = None,
     num_tokens: int | None = None,
+    context_len: int = 8192,
+    chunked_prefill_size: int | None = 8192,
+    num_draft_tokens: int = 0,
 ) -> Plan: ...
 
 

@@ -88,7 +88,32 @@ def _parser() -> argparse.ArgumentParser:
         "--context-len",
         type=int,
         default=None,
-        help="request length for the requests column (default: 8192)",
+        help="request length the budget is split for (models with sliding-window or "
+        "linear-attention layers: every group holds the same number of such requests) and of "
+        "the requests column (default: 8192)",
+    )
+    s.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="tokens per prefill chunk kept free in each sliding-window page space "
+        "(SGLang's flag; default 8192; -1: no chunking)",
+    )
+    s.add_argument(
+        "--speculative-algorithm",
+        choices=("NEXTN", "EAGLE", "EAGLE3"),
+        help="plan a draft model in the same budget: NEXTN = the config's MTP layers "
+        "(num_nextn_predict_layers), EAGLE/EAGLE3 = --speculative-draft-model-path",
+    )
+    s.add_argument(
+        "--speculative-draft-model-path",
+        help="draft model (bundled hub id, config.json, model dir or GGUF) for EAGLE/EAGLE3",
+    )
+    s.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=0,
+        help="draft tokens per step: sliding spaces keep their pages for rollback (default 0)",
     )
     s.add_argument("--json", action="store_true", help="print every figure as JSON")
     sub.add_parser("models", help="list the bundled model configs")
@@ -111,6 +136,14 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     context = 8192 if args.context_len is None else args.context_len
     if not 0 < context < 1 << 64:
         raise ValueError(f"--context-len must be in 1..2^64-1, got {context}")
+    chunk = args.chunked_prefill_size
+    if chunk == -1:
+        chunk = None
+    elif chunk < 1:
+        raise ValueError(f"--chunked-prefill-size must be >= 1 or -1, got {chunk}")
+    kw |= dict(context_len=context, chunked_prefill_size=chunk,
+               num_draft_tokens=args.speculative_num_draft_tokens,
+               draft=_draft(args))  # fmt: skip
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     results = _plans(spec, dtypes, kw, keep_going=args.kv_cache_dtype == "all")
     plans = [r for r in results if isinstance(r, Plan)]
@@ -118,7 +151,7 @@ def _size(args: argparse.Namespace, console: Console) -> int:
         out = []
         for r in results:
             if isinstance(r, Plan):
-                d = r.to_dict() | {"requests_fit": r.requests_fit(context)}
+                d = r.to_dict()
                 d.pop("buffers")
             else:
                 dtype, e = r
@@ -173,13 +206,58 @@ def _size(args: argparse.Namespace, console: Console) -> int:
             console.print(
                 f"{r[0]}: not sized: {type(r[1]).__name__}: {escape(str(r[1]))}", highlight=False
             )
-    linear = plans[0].linear_state_bytes()
-    if linear:
+    if len(plans[0].groups) > 1 or any(p.page_spaces[s]["capped_by_int32"]
+                                       for p in plans for s in p.page_spaces):  # fmt: skip
+        chunk_s = "unchunked prefill" if chunk is None else f"{chunk}-token prefill chunks"
         console.print(
-            f"linear-attention state: {linear / (1 << 20):.2f} MiB per request "
-            "(reported, not allocated by the pool)"
+            f"layer groups (budget split for {context}-token requests, {chunk_s}, "
+            f"{args.speculative_num_draft_tokens} draft tokens):",
+            highlight=False,
         )
+        for p in plans:
+            for line in _group_lines(p):
+                console.print(f"  {p.dtype}: {line}", highlight=False)
     return 0
+
+
+def _draft(args: argparse.Namespace) -> str | None:
+    """``size_for``'s ``draft`` from SGLang's speculative flags."""
+    algo, path = args.speculative_algorithm, args.speculative_draft_model_path
+    if algo == "NEXTN":
+        if path is not None:
+            raise ValueError("--speculative-algorithm NEXTN runs the model's own MTP layers; "
+                             "drop --speculative-draft-model-path")  # fmt: skip
+        return "mtp"
+    if algo in ("EAGLE", "EAGLE3") and path is None:
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
+    if args.speculative_num_draft_tokens < 0:
+        raise ValueError(
+            f"--speculative-num-draft-tokens must be >= 0, got {args.speculative_num_draft_tokens}"
+        )
+    return path
+
+
+def _group_lines(p: Plan) -> list[str]:
+    """One line per layer group: layers, page space, pages or slots, bytes per row, bytes."""
+    spaces = p.page_spaces
+    out = []
+    for g in p.groups:
+        head = f"{g.name}: {len(g.layers)} layer{'s' if len(g.layers) != 1 else ''}"
+        if g.page_space is None:
+            out.append(f"{head}, reuse the KV of other layers (no bytes of their own)")
+            continue
+        s = spaces[g.page_space]
+        if s["kind"] == "state":
+            where = f"{s['num_pages']:,} state slots, {g.bytes_per_row:,} B/slot"
+        else:
+            where = (f"space {g.page_space}: {s['num_pages']:,} pages x {s['page_size']}, "
+                     f"{g.bytes_per_row:,} B/token")  # fmt: skip
+            if s["headroom_pages"]:
+                where += f", {s['headroom_pages']:,} pages kept for a prefill chunk"
+        if s["capped_by_int32"]:
+            where += " (capped: int32 slot ids)"
+        out.append(f"{head}, {where}, {g.bytes / GIB:.2f} GiB")
+    return out
 
 
 def _plans(

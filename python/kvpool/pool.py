@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 class LayerView:
     """One layer's buffers, as the write and attention kernels take them.
 
-    Shapes (``R`` = rows = num_tokens + page_size, ``H`` = KV heads per rank, ``D``/``Dv`` = K/V
-    head dims as stored; MLA: ``v`` is None and ``k`` is the latent of
-    ``kv_lora_rank + qk_rope_head_dim`` values, ``H`` = 1):
+    Shapes (``R`` = rows of the layer's page space, ``(num_pages + 1) * page_size``; ``H`` = KV
+    heads per rank, ``D``/``Dv`` = K/V head dims as stored; MLA: ``v`` is None and ``k`` is the
+    latent of ``kv_lora_rank + qk_rope_head_dim`` values, ``H`` = 1):
 
     - ``k``: ``[R, H, D]`` in the cache dtype (fp32/bf16/fp16/float8_e4m3fn/float8_e5m2), or
       ``[R, H, D/2]`` uint8 for FP4 (element 2i in the low nibble).
@@ -116,8 +116,10 @@ class KVPool:
     ----------
     buffers : dict of str to torch.Tensor
         Stable names (``layers.3.k``, ``layers.3.k_block_scale``, ``layers.3.k_scale``,
-        ``workspace.k``) to tensors. Data buffers start uninitialized (slots are only read up to
-        each request's length); per-layer scales start at 1.0.
+        ``workspace.k``, ``draft.layers.0.k``, ``layers.0.conv_state``, ``layers.0.ssm_state``)
+        to tensors. Data and state buffers start uninitialized (slots are only read up to each
+        request's length; a request's state slot is written before it is read); per-layer
+        scales start at 1.0.
     """
 
     def __init__(self, plan: Plan, device: str | torch.device = "cuda"):
@@ -133,41 +135,49 @@ class KVPool:
             else:
                 t = torch.empty(b.shape, dtype=dt, device=self.device)
             self.buffers[b.name] = t
-        spec = plan.spec
-        d_k = (spec.kv_lora_rank + spec.qk_rope_head_dim) if spec.is_mla else spec.head_dim
+        geo = {g.name: g for g in plan.groups}
         self._views: dict[int, LayerView] = {}
-        shared = {
-            f: self.buffers.get(f"workspace.{t}")
-            for f, t in (("workspace_k", "k"), ("workspace_v", "v"))
-        }
-        if spec.is_mla:
-            shared["workspace_k"] = self.buffers.get("workspace.kv")
-        for layer, dtype in enumerate(plan.layer_dtypes):
-            if dtype is None:
-                continue
-            fields: dict[str, Any] = dict(shared)
-            for b in plan.buffers:
-                if b.layer == layer:
-                    fields[_FIELD[(b.role, b.tensor)]] = self.buffers[b.name]
-            fields.setdefault("v", None)
-            self._views[layer] = LayerView(
+        self._draft_views: dict[int, LayerView] = {}
+        fields: dict[tuple[str, int], dict[str, Any]] = {}
+        workspaces: dict[str, dict[str, Any]] = {}
+        self._states: dict[int, dict[str, torch.Tensor]] = {}
+        for b in plan.buffers:
+            t = self.buffers[b.name]
+            if b.role == "workspace":
+                workspaces.setdefault(b.group, {})[_FIELD[(b.role, b.tensor)]] = t
+            elif b.role == "state":
+                self._states.setdefault(b.layer, {})[b.tensor] = t
+            else:
+                fields.setdefault((b.group, b.layer), {})[_FIELD[(b.role, b.tensor)]] = t
+        draft_dtype = plan.dtype
+        for (group, layer), f in fields.items():
+            g = geo[group]
+            view = LayerView(
                 layer=layer,
-                dtype=dtype,
+                dtype=draft_dtype if group == "draft" else plan.layer_dtypes[layer],
                 page_size=plan.page_size,
-                num_kv_heads=1 if spec.is_mla else plan.kv_heads_per_rank,
-                head_dim=d_k,
-                v_head_dim=0 if spec.is_mla else spec.v_head_dim,
-                **fields,
+                num_kv_heads=g.kv_heads,
+                head_dim=g.head_dim,
+                v_head_dim=g.v_head_dim,
+                **(f | workspaces.get(group, {}) | {"v": f.get("v")}),
             )
+            (self._draft_views if group == "draft" else self._views)[layer] = view
+        # a shared-KV layer reads its source layer's pages: the same view
+        self._shared = {
+            i: src for i, src in enumerate(plan.shared_sources) if src is not None
+        }
         self.scales_source: str | None = None
 
     @property
     def layers(self) -> list[int]:
-        """Indices of the layers that store KV (linear-attention layers have no view)."""
+        """Indices of the layers that own KV buffers (not linear-attention or shared layers)."""
         return list(self._views)
 
     def layer(self, layer: int) -> LayerView:
-        """The buffers of one layer.
+        """The buffers of one layer; a shared-KV layer gets its source layer's view.
+
+        Sliding layers' views have the rows of their own page space
+        (``plan.page_spaces["sliding_<window>"]``): their page tables hold that space's page ids.
 
         Raises
         ------
@@ -176,12 +186,49 @@ class KVPool:
         """
         try:
             # (an int or numpy integer; 0.0 would find layer 0 through the dict's hash)
-            return self._views[as_index(layer)]
+            i = as_index(layer)
+            return self._views[self._shared.get(i, i)]
         except (KeyError, TypeError):
             raise KeyError(
                 f"layer `{layer}` has no KV buffers (layers with KV: "
                 f"0..{self.plan.spec.num_layers - 1} except linear-attention layers)"
             ) from None
+
+    def draft_layer(self, layer: int) -> LayerView:
+        """The buffers of draft layer ``layer`` (``draft.layers.<i>.*``), in the primary space.
+
+        Raises
+        ------
+        KeyError
+            The plan has no draft, or no such draft layer.
+        """
+        try:
+            return self._draft_views[as_index(layer)]
+        except (KeyError, TypeError):
+            raise KeyError(
+                f"draft layer `{layer}` does not exist (draft layers: {list(self._draft_views)})"
+            ) from None
+
+    def state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(conv_state, ssm_state)`` of linear-attention layer ``layer``.
+
+        ``conv_state`` ``[num_state_slots + 1, conv_dim, conv_kernel - 1]`` in the model dtype,
+        ``ssm_state`` ``[num_state_slots + 1, num_v_heads, k_head_dim, v_head_dim]`` in
+        ``mamba_ssm_dtype`` (per rank); row = state slot, slot 0 is padding.
+
+        Raises
+        ------
+        KeyError
+            ``layer`` is not a linear-attention layer.
+        """
+        try:
+            st = self._states[as_index(layer)]
+        except (KeyError, TypeError):
+            raise KeyError(
+                f"layer `{layer}` has no linear-attention state (state layers: "
+                f"{list(self._states)})"
+            ) from None
+        return st["conv_state"], st["ssm_state"]
 
     @property
     def nbytes(self) -> int:

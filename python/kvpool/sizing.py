@@ -6,6 +6,7 @@ so ``sum(buffer.nbytes) == plan.total_bytes`` holds to the byte. GiB here are 2^
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
 from dataclasses import dataclass
@@ -46,8 +47,12 @@ def _int(name: str, v: Any, *, minimum: int = 0, exc: type[Exception] = SizingEr
 class BufferSpec(NamedTuple):
     """One buffer of the pool.
 
-    ``shape`` starts with rows (``num_tokens + page_size``) for per-token buffers, with pages for
-    page-major scales; per-layer scales have shape ``(1,)``. ``dtype`` is a torch dtype name.
+    ``shape`` starts with rows of the buffer's page space (``(num_pages + 1) * page_size``; state
+    slots + 1 for linear-attention state) for per-row buffers, with pages for page-major scales;
+    per-layer scales have shape ``(1,)``. ``dtype`` is a torch dtype name. ``layer`` is the layer
+    index (of the draft model in group ``draft``), None for workspaces. ``tensor`` is ``k``,
+    ``v``, ``kv`` (MLA latent), ``conv_state`` or ``ssm_state``; ``role`` is ``data``,
+    ``block_scale``, ``block_scale_page_major``, ``scale``, ``workspace`` or ``state``.
     """
 
     name: str
@@ -57,6 +62,31 @@ class BufferSpec(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    group: str = "full"
+    space: str = "primary"
+
+
+class GroupSpec(NamedTuple):
+    """One layer group of a plan.
+
+    ``name``: ``full``, ``mla``, ``sliding_<window>``, ``linear_state``, ``shared`` or ``draft``;
+    ``kind`` the same without the window. ``layers``: layer indices (of the draft model for
+    ``draft``). ``page_space``: the space whose page ids (state slots) the group's buffers use,
+    None for ``shared`` (which reads its source layers' pages). ``kv_heads``, ``head_dim``,
+    ``v_head_dim``: per rank, as stored (MLA: the latent as ``head_dim``, ``v_head_dim`` 0; 0 for
+    state and shared groups). ``bytes_per_row``: bytes per token (per state slot for
+    ``linear_state``) over the group's buffers; ``bytes``: the group's bytes in this plan.
+    """
+
+    name: str
+    kind: str
+    layers: tuple[int, ...]
+    page_space: str | None
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    bytes_per_row: int
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -84,26 +114,48 @@ class Plan:
     num_pages, page_size : int
         Usable pages (ids ``1..num_pages``; page 0 is the padding page) and tokens per page.
     bytes_per_token : int
-        Bytes every token slot costs across all buffers (data, block scales, workspace).
+        Bytes every token slot of the first page space costs across its buffers (data, block
+        scales, workspace); other spaces' in :attr:`page_spaces`.
     fixed_bytes : int
         Bytes that do not grow with the pool (per-layer fp32 scales).
     total_bytes : int
-        ``(num_tokens + page_size) * bytes_per_token + fixed_bytes``; equals
-        ``sum(b.nbytes for b in buffers)``.
-    k_bytes, v_bytes, scale_bytes, workspace_bytes : int
-        K data (MLA: the latent), V data, every scale buffer, the shared FP8 workspace; they add
-        up to ``total_bytes``.
+        The sum over page spaces of ``rows * bytes_per_token`` plus ``fixed_bytes`` (one space:
+        ``(num_tokens + page_size) * bytes_per_token + fixed_bytes``); equals
+        ``sum(b.nbytes for b in buffers)`` and ``sum(g.bytes for g in groups)``.
+    k_bytes, v_bytes, scale_bytes, workspace_bytes, state_bytes : int
+        K data (MLA: the latent; draft layers included), V data, every scale buffer, the FP8
+        workspaces, the linear-attention state slots; they add up to ``total_bytes``.
     budget : Budget or None
         How the budget was derived (None when the plan was made for a given token count).
+    num_state_slots : int
+        Linear-attention state slots (ids ``1..num_state_slots``; slot 0 is padding), 0 without
+        linear layers.
+    context_len, chunked_prefill_size, num_draft_tokens : int
+        What the split between page spaces was made for (``chunked_prefill_size`` None:
+        unchunked prefill).
+    draft : ModelSpec or None
+        The draft model (the target's own spec for MTP), None without one.
+
+    ``num_pages``/``num_tokens``/``bytes_per_token`` are those of the first page space
+    (``primary``: full, MLA and draft layers; a model without full layers has its smallest
+    sliding window's space first). See :attr:`groups` and :attr:`page_spaces` for the others.
     """
 
-    __slots__ = ("_core", "budget", "spec", "tp_size")
+    __slots__ = ("_core", "budget", "draft", "spec", "tp_size")
 
-    def __init__(self, core: Any, spec: ModelSpec, tp_size: int, budget: Budget | None):
+    def __init__(
+        self,
+        core: Any,
+        spec: ModelSpec,
+        tp_size: int,
+        budget: Budget | None,
+        draft: ModelSpec | None = None,
+    ):
         self._core = core
         self.spec = spec
         self.tp_size = tp_size
         self.budget = budget
+        self.draft = draft
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -120,9 +172,45 @@ class Plan:
     def buffers(self) -> list[BufferSpec]:
         """Every buffer the pool allocates, in allocation order."""
         return [
-            BufferSpec(n, layer, t, r, d, tuple(s), b)
-            for n, layer, t, r, d, s, b in self._core.buffers
+            BufferSpec(n, layer, t, r, d, tuple(s), b, g, sp)
+            for n, layer, t, r, d, s, b, g, sp in self._core.buffers
         ]
+
+    @property
+    def groups(self) -> list[GroupSpec]:
+        """Every layer group, in layout order (``full``/``mla``, ``sliding_<w>``, ...)."""
+        return [
+            GroupSpec(n, k, tuple(layers), sp, h, d, dv, row, b)
+            for n, k, layers, sp, h, d, dv, row, b in self._core.groups
+        ]
+
+    @property
+    def page_spaces(self) -> dict[str, dict[str, Any]]:
+        """Page spaces by name (``primary``, ``sliding_<w>``, ``linear_state``).
+
+        Each: ``kind`` (primary/sliding/state), ``page_size`` (tokens per page; 1 for state
+        slots), ``num_pages`` (usable pages or slots, ids ``1..num_pages``), ``rows``
+        (``(num_pages + 1) * page_size``), ``bytes_per_token`` (per row over its buffers; per
+        slot for state), ``bytes``, ``headroom_pages`` (pages kept free for one prefill chunk;
+        sliding spaces), ``capped_by_int32`` (the int32 limit on slot ids, not the budget, set
+        ``num_pages``) and ``requests`` (requests of ``context_len`` tokens it holds).
+        """
+        keys = ("kind", "page_size", "num_pages", "rows", "bytes_per_token", "bytes",
+                "headroom_pages", "capped_by_int32", "requests")  # fmt: skip
+        return {row[0]: dict(zip(keys, row[1:], strict=True)) for row in self._core.page_spaces}
+
+    def allocators(self) -> dict[str, Any]:
+        """A fresh :class:`kvpool.PageAllocator` per page space, keyed by space name.
+
+        Token spaces get ``PageAllocator(num_pages, page_size)``; the linear-attention state
+        pool ``PageAllocator(num_state_slots, 1)`` under ``linear_state`` (one slot per running
+        request, slot 0 reserved as padding like page 0). Sliding spaces include their
+        ``headroom_pages``: a caller keeps that many free for the prefill chunk in flight.
+        """
+        return {
+            name: _core.PageAllocator(s["num_pages"], s["page_size"])
+            for name, s in self.page_spaces.items()
+        }
 
     @property
     def budget_bytes(self) -> int:
@@ -130,22 +218,26 @@ class Plan:
         return self._core.budget_bytes
 
     def request_bytes(self, n: int) -> int:
-        """Bytes one request of ``n`` tokens holds across layers.
+        """Bytes one request of ``n`` tokens holds across page spaces and its state slot.
 
-        Full layers hold ``ceil(n / page_size)`` pages; sliding-window layers are counted as a
-        windowed pool holds them: ``min(n, window)`` tokens rounded up to whole pages, plus one
-        page when ``page_size > 1``. Linear-attention state is not included (see
-        :meth:`linear_state_bytes`).
+        Full, MLA and draft layers hold ``ceil(n / ps)`` pages; a sliding group of window ``w``
+        holds ``min(ceil(n / ps), ceil(min(n, w) / ps) + r + ceil(num_draft_tokens / ps))``
+        pages (``r`` = 1 when ``ps > 1``: a window rarely starts on a page boundary; the draft
+        pages are kept for speculative rollback); linear-attention layers one state slot
+        (:meth:`linear_state_bytes`). Workspaces are not per request.
         """
         return self._core.request_bytes(_int("n", n))
 
     def requests_fit(self, context_len: int) -> int:
-        """Requests of ``context_len`` tokens this pool holds at once (whole pages each)."""
-        pages = -(-_int("context_len", context_len, minimum=1) // self.page_size)
-        return self.num_pages // pages
+        """Requests of ``context_len`` tokens the pool holds at once.
+
+        The least over page spaces of ``(num_pages - headroom_pages) // pages per request`` and
+        the state slots, so ``requests_fit(n) * request_bytes(n) <= budget_bytes``.
+        """
+        return self._core.requests_fit(_int("context_len", context_len, minimum=1))
 
     def linear_state_bytes(self) -> int:
-        """Per-request bytes of linear-attention state on one rank (reported, not allocated)."""
+        """Per-request bytes of linear-attention state on one rank (one state slot, allocated)."""
         conv, ssm = self._core.linear_state_bytes()
         return conv + ssm
 
@@ -176,6 +268,14 @@ class Plan:
         d["model"] = self.spec.name
         d["tp_size"] = self.tp_size
         d["linear_state_bytes_per_request"] = self.linear_state_bytes()
+        for k in ("num_state_slots", "state_bytes", "context_len", "chunked_prefill_size",
+                  "num_draft_tokens"):  # fmt: skip
+            d[k] = getattr(self, k)
+        d["draft"] = None if self.draft is None else self.draft.name
+        d["requests_fit"] = self.requests_fit(self.context_len)
+        d["capped_by_int32"] = any(s["capped_by_int32"] for s in self.page_spaces.values())
+        d["groups"] = [g._asdict() | {"layers": list(g.layers)} for g in self.groups]
+        d["page_spaces"] = self.page_spaces
         if self.budget is not None:
             d["budget"] = self.budget.__dict__
         d["buffers"] = [b._asdict() for b in self.buffers]
@@ -284,6 +384,10 @@ def size_for(
     sliding_dtype: str | None = None,
     model_dtype: str | None = None,
     num_tokens: int | None = None,
+    context_len: int = 8192,
+    chunked_prefill_size: int | None = 8192,
+    draft: ModelSpec | dict | str | os.PathLike[str] | None = None,
+    num_draft_tokens: int = 0,
 ) -> Plan:
     """Size a KV pool: the largest page-aligned token count whose every byte fits the budget.
 
@@ -326,7 +430,28 @@ def size_for(
     model_dtype : str, optional
         The loaded model's compute dtype (what ``auto`` resolves to), e.g. ``fp32``.
     num_tokens : int, optional
-        Skip the budget and make a plan for exactly this many tokens (rounded up to pages).
+        Skip the budget and make a plan for exactly this many tokens in the first page space
+        (rounded up to pages); the other spaces hold as many ``context_len`` requests (>= 1).
+    context_len : int
+        Tokens per request at which every page space and the state pool hold the same number
+        of requests: how a model with sliding or linear-attention layers splits the budget
+        (the first space also gets what is left). Default 8192 (``--context-len``).
+    chunked_prefill_size : int or None
+        Tokens of one prefill chunk (SGLang's ``--chunked-prefill-size``, default 8192); each
+        sliding space keeps that many tokens' pages free (at most what a request of
+        ``context_len`` holds beyond its window), since a chunk writes all its tokens before the
+        window drops them. None: unchunked prefill (a whole request).
+    draft : "mtp", ModelSpec, dict, str or path, optional
+        A draft model planned in the same budget, its layers in the primary page space (same
+        page ids as the target: the draft runs over the same tokens). ``"mtp"``: the config's
+        ``num_nextn_predict_layers`` multi-token-prediction layers (DeepSeek-V3: one MLA layer
+        of the target's geometry; Qwen3-Next/3.5 ``mtp_num_hidden_layers``: full attention).
+        Anything else: an EAGLE-style draft model, sized with its own geometry in the target's
+        KV dtype.
+    num_draft_tokens : int
+        Draft tokens per speculative step (SGLang's ``--speculative-num-draft-tokens``):
+        sliding spaces keep ``ceil(num_draft_tokens / page_size)`` pages more per request for
+        rollback.
 
     Returns
     -------
@@ -343,7 +468,8 @@ def size_for(
     SizingError
         mem_frac outside (0, 1], unknown GPU, no memory figures.
     BudgetTooSmallError
-        The budget cannot hold one page (the message says how many bytes are missing).
+        The budget cannot hold one page, or (several page spaces) one request of
+        ``context_len`` tokens in every space (the message says how many bytes are missing).
     """
     spec = _spec(model, model_dtype)
     dtype = _str("dtype", dtype, _core.KvDtypeError)
@@ -352,8 +478,14 @@ def size_for(
         sliding_dtype = _str("sliding_dtype", sliding_dtype, _core.KvDtypeError)
     page_size = _int("page_size", page_size, minimum=1, exc=_core.LayoutError)
     tp_size = _int("tp_size", tp_size, minimum=1, exc=_core.ModelConfigError)
-    geometry = spec.geometry(tp_size)
+    draft_spec = _draft_spec(spec, draft)
+    geometry = _geometry(spec, tp_size, draft_spec)
     kw: dict[str, Any] = dict(
+        context_len=_int("context_len", context_len, minimum=1),
+        chunked_prefill_size=None
+        if chunked_prefill_size is None
+        else _int("chunked_prefill_size", chunked_prefill_size, minimum=1),
+        num_draft_tokens=_int("num_draft_tokens", num_draft_tokens),
         model_dtype=spec.dtype,
         page_size=page_size,
         tp_size=tp_size,
@@ -369,10 +501,87 @@ def size_for(
     )
     if num_tokens is not None:
         n = _int("num_tokens", num_tokens)
-        return Plan(_core.plan(geometry, dtype, num_tokens=n, **kw), spec, tp_size, None)
+        core = _core.plan(geometry, dtype, num_tokens=n, **kw)
+        return Plan(core, spec, tp_size, None, draft_spec)
     budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, tp_size)
     core = _core.plan(geometry, dtype, budget=budget.budget, **kw)
-    return Plan(core, spec, tp_size, budget)
+    return Plan(core, spec, tp_size, budget, draft_spec)
+
+
+def _mtp_spec(spec: ModelSpec) -> ModelSpec:
+    """The target's MTP layers as a draft spec: its geometry, ``n`` full (or MLA) layers."""
+    f = spec.fields
+    n = spec.num_nextn_predict_layers
+    if n == 0:
+        raise _core.ModelConfigError(
+            f"draft='mtp' but `{spec.name}` declares no MTP layers: `num_nextn_predict_layers` "
+            f"is {f.get('num_nextn_predict_layers', 'missing')!r} (Qwen3-Next/3.5: "
+            "`mtp_num_hidden_layers`)"
+        )
+    return dataclasses.replace(
+        spec, name=f"{spec.name} (MTP)", layer_kinds=("full",) * n, sliding_window=None,
+        linear_attention={}, kv_shared_sources={}, sliding_head_dim=None,
+        sliding_v_head_dim=None, num_nextn_predict_layers=0,
+    )  # fmt: skip
+
+
+def _draft_spec(spec: ModelSpec, draft: Any) -> ModelSpec | None:
+    if draft is None:
+        return None
+    if isinstance(draft, str) and draft.lower() in ("mtp", "nextn"):
+        return _mtp_spec(spec)
+    return _spec(draft, spec.dtype)
+
+
+def _geometry(spec: ModelSpec, tp_size: int, draft: ModelSpec | None = None) -> Any:
+    """The Rust-side geometry of ``spec`` on one of ``tp_size`` ranks (state shapes sharded).
+
+    Linear-attention state per layer and rank (SGLang's Mamba pool shapes): conv
+    ``[conv_dim, conv_kernel - 1]`` in the model dtype with ``conv_dim = (2 * key_heads *
+    key_head_dim + value_heads * value_head_dim) / tp``, SSM ``[value_heads / tp,
+    key_head_dim, value_head_dim]`` in ``mamba_ssm_dtype``; bytes as
+    :meth:`ModelSpec.linear_state_bytes`.
+    """
+    state = None
+    la = spec.linear_attention
+    if la and "linear" in spec.layer_kinds:
+        spec.linear_state_bytes(tp_size)  # (raises when tp_size does not split the heads)
+        kh, vh = la["num_key_heads"], la["num_value_heads"]
+        kd, vd = la["key_head_dim"], la["value_head_dim"]
+        ssm_dtype = la.get("ssm_dtype") or _SSM_DTYPES.get(
+            str(spec.fields.get("mamba_ssm_dtype", "float32")).lower(), "fp32"
+        )
+        state = ((2 * kh * kd + vh * vd) // tp_size, la["conv_kernel"] - 1, spec.dtype,
+                 vh // tp_size, kd, vd, ssm_dtype)  # fmt: skip
+    shared = dict(getattr(spec, "kv_shared_sources", None) or {})
+    kw: dict[str, Any] = {}
+    if draft is not None:
+        if "linear" in draft.layer_kinds or "shared" in draft.layer_kinds:
+            bad = next(k for k in draft.layer_kinds if k in ("linear", "shared"))
+            raise _core.ModelConfigError(
+                f"draft model `{draft.name}` has `{bad}` layers; a draft's layers are full or "
+                "sliding attention"
+            )
+        kw["draft"] = _geometry(draft, tp_size)
+    return _core.ModelGeometry(
+        layer_kinds=list(spec.layer_kinds),
+        num_attention_heads=spec.num_attention_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        v_head_dim=spec.v_head_dim,
+        sliding_window=spec.sliding_window,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        sliding_head_dim=getattr(spec, "sliding_head_dim", None),
+        sliding_v_head_dim=getattr(spec, "sliding_v_head_dim", None),
+        kv_shared_sources=shared or None,
+        linear_state=state,
+        **kw,
+    )
+
+
+_SSM_DTYPES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16",
+               "float16": "fp16", "fp16": "fp16"}  # fmt: skip
 
 
 def compare(

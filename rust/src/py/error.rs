@@ -124,7 +124,9 @@ impl From<Error> for PyErr {
             Error::Dtype(_) => KvDtypeError::new_err(msg),
             Error::Model(_) => ModelConfigError::new_err(msg),
             Error::Layout(_) => LayoutError::new_err(msg),
-            Error::Sizing(CoreSizingError::TooSmall { .. } | CoreSizingError::NoBudget { .. }) => {
+            Error::Sizing(
+                CoreSizingError::TooSmall { .. } | CoreSizingError::TooSmallForRequest { .. } | CoreSizingError::NoBudget { .. },
+            ) => {
                 BudgetTooSmallError::new_err(msg)
             }
             Error::Sizing(_) => SizingError::new_err(msg),
