@@ -491,7 +491,7 @@ def _sliding_head_dims(
 ) -> tuple[int | None, int | None]:
     """Head sizes of the sliding layers where the config gives them their own (else ``None``).
 
-    transformers 5.23.0 names them ``swa_head_dim`` (``models/inkling/configuration_inkling.py``;
+    transformers 5.23.0 names them ``swa_head_dim`` (models/inkling/configuration_inkling.py;
     V the same size, there being no ``swa_v_head_dim`` in it; MiMo-V2's remote config adds
     ``swa_v_head_dim``). Per-kind head *counts* (``swa_num_key_value_heads``) and Gemma-4's
     full-layer geometry (``global_head_dim``, ``num_global_key_value_heads``) are refused: the spec
@@ -522,7 +522,7 @@ def _sliding_head_dims(
 def _kv_shared_sources(f: _Fields, kinds: list[str]) -> dict[int, int]:
     """Layers that reuse an earlier layer's KV: ``{layer: source}`` (Gemma-3n).
 
-    The rule of transformers 5.23.0 (``models/gemma3n/configuration_gemma3n.py``,
+    The rule of transformers 5.23.0 (models/gemma3n/configuration_gemma3n.py,
     ``Gemma3nTextConfig.kv_sharing_modes``; the same in ``modeling_gemma3n.py`` of 4.53): the last
     ``num_kv_shared_layers`` layers compute no K/V and read those of the last layer before them
     that has the same ``layer_types`` entry; every type among the shared layers needs one.
