@@ -378,7 +378,7 @@ def size_for(
     gpu: str | None = None,
     weights: int | str | None = None,
     page_size: int = 1,
-    tp_size: int = 1,
+    tp_size: int | None = None,
     nvfp4_recipe: str = "linear",
     layer_dtypes: Mapping[int, str] | None = None,
     sliding_dtype: str | None = None,
@@ -388,6 +388,7 @@ def size_for(
     chunked_prefill_size: int | None = 8192,
     draft: ModelSpec | dict | str | os.PathLike[str] | None = None,
     num_draft_tokens: int = 0,
+    group: Any = None,
 ) -> Plan:
     """Size a KV pool: the largest page-aligned token count whose every byte fits the budget.
 
@@ -418,11 +419,13 @@ def size_for(
         directory, else estimates from the config (see :mod:`kvpool.weights`).
     page_size : int
         Tokens per page (>= 1).
-    tp_size : int
-        Tensor-parallel ranks; the plan is per rank (KV heads per rank =
-        ``max(1, num_kv_heads // tp_size)``, valid when one divides the other).
+    tp_size : int, optional
+        Tensor-parallel ranks (default 1; with ``group``, the group's size); the plan is per
+        rank (KV heads per rank = ``max(1, num_kv_heads // tp_size)``, valid when one divides
+        the other).
     nvfp4_recipe : str
-        ``linear`` (default), ``page_major``, ``mixed`` or ``linear_workspace`` (DESIGN.md).
+        ``linear`` (default), ``page_major``, ``mixed`` or ``linear_workspace``
+        (docs/architecture.md, "Buffers of a pool").
     layer_dtypes : mapping of int to str, optional
         Per-layer dtype overrides.
     sliding_dtype : str, optional
@@ -452,6 +455,11 @@ def size_for(
         Draft tokens per speculative step (SGLang's ``--speculative-num-draft-tokens``):
         sliding spaces keep ``ceil(num_draft_tokens / page_size)`` pages more per request for
         rollback.
+    group : torch.distributed.ProcessGroup, optional
+        Size one plan for every rank of a TP group
+        (:func:`kvpool.distributed.agree_plan`): the least memory of any rank sizes it, every
+        rank checks it made the same plan, and a mismatch or a rank that cannot fit raises on
+        every rank. Every rank of the group must call it.
 
     Returns
     -------
@@ -471,6 +479,17 @@ def size_for(
         The budget cannot hold one page, or (several page spaces) one request of
         ``context_len`` tokens in every space (the message says how many bytes are missing).
     """
+    if group is not None:  # one plan agreed by every rank of a torch.distributed group
+        from kvpool.distributed import agree_plan
+
+        kw = dict(total_memory=total_memory, available_memory=available_memory, gpu=gpu,
+                  weights=weights, page_size=page_size, tp_size=tp_size,
+                  nvfp4_recipe=nvfp4_recipe, layer_dtypes=layer_dtypes,
+                  sliding_dtype=sliding_dtype, model_dtype=model_dtype, num_tokens=num_tokens,
+                  context_len=context_len, chunked_prefill_size=chunked_prefill_size,
+                  draft=draft, num_draft_tokens=num_draft_tokens)  # fmt: skip
+        return agree_plan(model, dtype, mem_frac, group=group, **kw).plan
+    tp_size = 1 if tp_size is None else tp_size
     spec = _spec(model, model_dtype)
     dtype = _str("dtype", dtype, _core.KvDtypeError)
     nvfp4_recipe = _str("nvfp4_recipe", nvfp4_recipe, _core.LayoutError)
