@@ -8,13 +8,14 @@ use std::borrow::Cow;
 use std::sync::{Mutex, OnceLock};
 
 use numpy::PyArray1;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::alloc::{guard, PyPageAllocator, Shared};
-use super::array::{count, ints, page_array, Int};
+use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
+use super::array::{count, detachable, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
-use crate::alloc::AllocError;
+use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
 /// A handle to a radix node, from `match_prefix`; pass it to `lock` / `unlock`.
@@ -56,10 +57,7 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
         b.bytes(by.as_bytes());
     } else if let Ok(i) = obj.cast::<PyInt>() {
         int(b, i)?;
-    } else if let Ok(i) = obj
-        .call_method0("__index__")
-        .and_then(|v| v.cast_into::<PyInt>().map_err(PyErr::from))
-    {
+    } else if let Some(i) = index(obj)? {
         int(b, &i)?; // numpy integers
     } else {
         let ty = obj
@@ -72,6 +70,21 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
         )));
     }
     Ok(())
+}
+
+/// `obj.__index__()` (numpy integers), `None` for an object that is no integer (no `__index__`,
+/// or one raising TypeError); any other exception of `__index__` (KeyboardInterrupt included)
+/// propagates.
+fn index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
+    let py = obj.py();
+    let Ok(f) = obj.get_type().getattr("__index__") else {
+        return Ok(None);
+    };
+    match f.call1((obj,)) {
+        Ok(v) => Ok(v.cast_into::<PyInt>().ok()),
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
@@ -111,20 +124,62 @@ pub(crate) struct PyRadixCache {
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
 type PathPair<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 
+impl PyRadixCache {
+    /// Runs `f` with the cache and then the allocator locked, as [`with_lock`] does for one
+    /// (short work keeps the GIL only when both locks are free now).
+    fn with_both<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut RadixCache, &mut PageAllocator) -> R + Send,
+    ) -> R {
+        if !long {
+            if let Some(mut c) = try_guard(&self.cache) {
+                if let Some(mut a) = try_guard(&self.alloc) {
+                    return f(&mut c, &mut a);
+                }
+            }
+        }
+        py.detach(|| f(&mut guard(&self.cache), &mut guard(&self.alloc)))
+    }
+
+    /// `alloc` / `try_alloc`: `None` when out of pages and `soft`.
+    fn take<'py>(
+        &self,
+        py: Python<'py>,
+        n: &Int,
+        soft: bool,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let n = count("n", n)?;
+        let r = self.with_both(py, n >= DETACH_MIN, |c, a| {
+            let pages = c.alloc_i32(a, n)?;
+            let mut gens = Vec::new();
+            a.grant(&pages, &mut gens);
+            Ok::<_, RadixError>((pages, gens))
+        });
+        match r {
+            Ok((pages, gens)) => {
+                let tag = self.allocator.get().tag;
+                hand_out(py, &self.alloc, tag, pages, gens).map(Some)
+            }
+            Err(RadixError::Page(AllocError::OutOfPages { .. })) if soft => Ok(None),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+}
+
 #[pymethods]
 impl PyRadixCache {
     #[new]
     #[pyo3(signature = (allocator, page_size=None))]
     fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<Int>) -> PyResult<Self> {
+        let py = allocator.py();
         let alloc = allocator.get().inner.clone();
-        let cache = {
-            let a = guard(&alloc);
-            let ps = page_size
-                .map(|p| count("page_size", p.0))
-                .transpose()?
-                .unwrap_or(a.page_size());
-            RadixCache::new(&a, ps).map_err(to_py)?
-        };
+        let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
+        let cache = with_lock(py, &alloc, false, |a| {
+            RadixCache::new(a, ps.unwrap_or(a.page_size()))
+        })
+        .map_err(to_py)?;
         Ok(Self {
             alloc,
             allocator: allocator.unbind(),
@@ -142,16 +197,23 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
         let tokens = arr.tokens("tokens")?;
-        let mut c = guard(&self.cache);
-        let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / c.page_size());
-        let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
-        drop(c);
+        let long = tokens.len() >= DETACH_MIN;
+        let tokens = detachable(tokens, long)?;
+        let (pages, node, len) = with_lock(py, &self.cache, long, |c| {
+            let mut pages = try_vec::<i32>(tokens.len() / c.page_size(), || {
+                format!("the pages of {} tokens", tokens.len())
+            })?;
+            let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
+            Ok::<_, AllocError>((pages, node, len))
+        })
+        .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
     #[pyo3(signature = (tokens, pages, namespace=None))]
     fn insert(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
@@ -165,49 +227,54 @@ impl PyRadixCache {
         } else if let Ok(list) = pages.cast::<PyList>() {
             list.iter().collect()
         } else {
-            let p = ints(pages, "pages")?;
-            let (toks, pages) = (t.tokens("tokens")?, p.pages("pages")?);
-            let mut c = guard(&self.cache);
-            return c
-                .insert(&mut guard(&self.alloc), &ns, &toks, &pages)
-                .map_err(to_py);
+            vec![pages.clone()]
         };
+        let single = items.len() == 1 && pages.cast::<PyTuple>().is_err() && pages.cast::<PyList>().is_err();
         let arrays = items
             .iter()
             .enumerate()
             // The error names the part (rare path: the name is only built then).
-            .map(|(i, a)| ints(a, "pages").or_else(|_| ints(a, &format!("pages[{i}]"))))
+            .map(|(i, a)| match ints(a, "pages") {
+                Err(_) if !single => ints(a, &format!("pages[{i}]")),
+                r => r,
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let toks = t.tokens("tokens")?;
         let parts = arrays
             .iter()
             .map(|a| a.pages("pages"))
             .collect::<PyResult<Vec<_>>>()?;
+        let long = toks.len() + parts.iter().map(|p| p.len()).sum::<usize>() >= DETACH_MIN;
+        let toks = detachable(toks, long)?;
+        let parts = parts
+            .into_iter()
+            .map(|p| detachable(p, long))
+            .collect::<PyResult<Vec<_>>>()?;
         let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
-        let mut c = guard(&self.cache);
-        c.insert_parts(&mut guard(&self.alloc), &ns, &toks, &parts)
+        self.with_both(py, long, |c, a| c.insert_parts(a, &ns, &toks, &parts))
             .map_err(to_py)
     }
 
-    fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
-        guard(&self.cache).lock(node.0).map_err(to_py)
+    fn lock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        let h = node.0;
+        with_lock(py, &self.cache, false, |c| c.lock(h)).map_err(to_py)
     }
 
-    fn unlock(&self, node: &PyRadixNode) -> PyResult<()> {
-        guard(&self.cache).unlock(node.0).map_err(to_py)
+    fn unlock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        let h = node.0;
+        with_lock(py, &self.cache, false, |c| c.unlock(h)).map_err(to_py)
     }
 
-    fn evict(&self, num_tokens: Int) -> PyResult<usize> {
-        let n = count("num_tokens", num_tokens.0)?;
-        let mut c = guard(&self.cache);
-        c.evict(&mut guard(&self.alloc), n).map_err(to_py)
+    fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
+        let n = count("num_tokens", &num_tokens)?;
+        self.with_both(py, n >= DETACH_MIN, |c, a| c.evict(a, n))
+            .map_err(to_py)
     }
 
     fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let n = count("n", n.0)?;
-        let mut c = guard(&self.cache);
-        let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
-        Ok(PyArray1::from_vec(py, pages))
+        // (never None: only `soft` turns out-of-pages into None)
+        self.take(py, &n, false)?
+            .ok_or_else(|| InvalidArgumentError::new_err("unreachable"))
     }
 
     fn try_alloc<'py>(
@@ -215,23 +282,16 @@ impl PyRadixCache {
         py: Python<'py>,
         n: Int,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        let n = count("n", n.0)?;
-        let mut c = guard(&self.cache);
-        match c.alloc_i32(&mut guard(&self.alloc), n) {
-            Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
-            Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
-            Err(e) => Err(to_py(e)),
-        }
+        self.take(py, &n, true)
     }
 
-    fn reset(&self) -> PyResult<()> {
-        let mut c = guard(&self.cache);
-        c.reset(&mut guard(&self.alloc)).map_err(to_py)
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_both(py, true, |c, a| c.reset(a)).map_err(to_py)
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        let c = guard(&self.cache);
-        c.check_invariants(&guard(&self.alloc)).map_err(to_py)
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_both(py, true, |c, a| c.check_invariants(a))
+            .map_err(to_py)
     }
 
     #[pyo3(signature = (namespace=None))]
@@ -241,7 +301,7 @@ impl PyRadixCache {
         namespace: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PathPair<'py>>> {
         let ns = self::namespace(namespace)?;
-        let paths = guard(&self.cache).leaf_paths(&ns);
+        let paths = with_lock(py, &self.cache, true, |c| c.leaf_paths(&ns));
         Ok(paths
             .into_iter()
             .map(|(t, p)| (PyArray1::from_vec(py, t), page_array(py, &p)))
@@ -253,42 +313,39 @@ impl PyRadixCache {
         self.allocator.clone_ref(py)
     }
     #[getter]
-    fn page_size(&self) -> usize {
-        guard(&self.cache).page_size()
+    fn page_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.page_size())
     }
     #[getter]
-    fn evictable_size(&self) -> usize {
-        guard(&self.cache).evictable_size()
+    fn evictable_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.evictable_size())
     }
     #[getter]
-    fn protected_size(&self) -> usize {
-        guard(&self.cache).protected_size()
+    fn protected_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.protected_size())
     }
     #[getter]
-    fn total_size(&self) -> usize {
-        guard(&self.cache).total_size()
+    fn total_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.total_size())
     }
     #[getter]
-    fn hit_tokens(&self) -> u64 {
-        guard(&self.cache).hit_tokens()
+    fn hit_tokens(&self, py: Python<'_>) -> u64 {
+        with_lock(py, &self.cache, false, |c| c.hit_tokens())
     }
     #[getter]
-    fn miss_tokens(&self) -> u64 {
-        guard(&self.cache).miss_tokens()
+    fn miss_tokens(&self, py: Python<'_>) -> u64 {
+        with_lock(py, &self.cache, false, |c| c.miss_tokens())
     }
     #[getter]
-    fn num_nodes(&self) -> usize {
-        guard(&self.cache).num_nodes()
+    fn num_nodes(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.num_nodes())
     }
 
-    fn __repr__(&self) -> String {
-        let c = guard(&self.cache);
-        format!(
-            "RadixCache(page_size={}, total_size={}, protected_size={})",
-            c.page_size(),
-            c.total_size(),
-            c.protected_size()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (ps, total, protected) = with_lock(py, &self.cache, false, |c| {
+            (c.page_size(), c.total_size(), c.protected_size())
+        });
+        format!("RadixCache(page_size={ps}, total_size={total}, protected_size={protected})")
     }
 }
 
