@@ -324,3 +324,21 @@ def test_release_mode_hands_out_plain_arrays():
     q = a.alloc(2)
     a.free(p)  # q's pages: the release-mode allocator cannot tell
     assert sorted(q.tolist()) == [1, 2] and a.ref_counts().tolist() == [0, 0, 0]
+
+
+# --- docs of the Rust classes ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [kvpool.PageAllocator, kvpool.RadixCache, kvpool.RadixNode])
+def test_every_public_method_of_the_rust_classes_has_a_docstring(cls):
+    """`help(kvpool.RadixCache.match_prefix)` showed no text: PyO3 takes the `///` comments."""
+    assert cls.__doc__ and len(cls.__doc__) > 40
+    names = [n for n in dir(cls) if not n.startswith("_")] + ["__repr__"]
+    missing = [n for n in names if not (getattr(cls, n).__doc__ or "").strip()]
+    assert not missing, f"{cls.__name__}: no docstring on {missing}"
+
+
+def test_threading_contract_is_documented():
+    for cls in (kvpool.PageAllocator, kvpool.RadixCache):
+        assert "Threading" in cls.__doc__ and "GIL" in cls.__doc__
+    assert "StaleNodeError" in kvpool.RadixCache.__doc__

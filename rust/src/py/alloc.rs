@@ -88,7 +88,52 @@ pub(crate) fn hand_out<'py>(
     }
 }
 
-/// Page allocator over pages `1..=num_pages` of `page_size` tokens (page 0 is padding).
+/// Pages `1..num_pages` of `page_size` tokens with reference counts (page 0 is padding).
+///
+/// Every call is atomic: it validates its whole input first and changes nothing on error.
+///
+/// Parameters
+/// ----------
+/// num_pages : int
+///     Usable pages (page 0, the padding page, comes on top). `(num_pages + 1) * page_size` must
+///     fit in int32 slot indices. The allocator keeps 12 bytes a page (16 with `debug`).
+/// page_size : int
+///     Tokens per page.
+/// debug : bool, default False
+///     Record a generation per page in the arrays `alloc` hands out (and `RadixCache.alloc`), so
+///     that `free` / `inc_ref` of such an array (or a view of it) after its pages were freed and
+///     handed out again raises `PageError` instead of taking another holder's reference. Not
+///     caught: copies or concatenations of a stale array (`np.array(p)`, `np.concatenate`, rows of a
+///     page table), and a stale free before the pages were handed out again (that one is a plain
+///     double free, refused in every mode). Costs nothing when off.
+///
+/// Raises
+/// ------
+/// InvalidArgumentError
+///     Zero or negative sizes, more slots than int32 holds, an integer beyond int64.
+/// MemoryError
+///     The per-page state cannot be allocated.
+///
+/// Notes
+/// -----
+/// Threading: an allocator may be shared by threads (and with `RadixCache` objects built on it);
+/// each call takes its mutex and is atomic. Calls whose work grows with the input (`alloc`/`free`/
+/// `inc_ref` of 16,384 pages or more, `ref_counts`, construction of a large pool) release the GIL;
+/// shorter ones keep it unless they must wait for the mutex. Arrays passed in are copied before the
+/// GIL is released; do not write a `free` argument from another thread during the call. Races
+/// between calls are the caller's to close (two threads freeing one request's pages: the second
+/// gets `PageError`).
+///
+/// Examples
+/// --------
+/// >>> import kvpool
+/// >>> a = kvpool.PageAllocator(4, 16)
+/// >>> p = a.alloc(2)
+/// >>> p.tolist(), a.num_free
+/// ([1, 2], 2)
+/// >>> a.free(p)
+/// >>> a.num_free
+/// 4
 #[pyclass(name = "PageAllocator", module = "kvpool._core", frozen)]
 pub(crate) struct PyPageAllocator {
     pub(crate) inner: Shared,
@@ -135,12 +180,35 @@ impl PyPageAllocator {
         })
     }
 
+    /// Hands out `n` pages, one reference each.
+    ///
+    /// Parameters
+    /// ----------
+    /// n : int
+    ///     Pages wanted (>= 0).
+    ///
+    /// Returns
+    /// -------
+    /// numpy.ndarray
+    ///     int32 page ids, shape `(n,)`.
+    ///
+    /// Raises
+    /// ------
+    /// OutOfPagesError
+    ///     Fewer than `n` pages are free (nothing is allocated).
+    /// InvalidArgumentError
+    ///     `n` is negative or beyond int64.
+    /// MemoryError
+    ///     The array of ids cannot be allocated (nothing is allocated).
+    /// KeyboardInterrupt
+    ///     Ctrl-C during the call: the pages are given back before it propagates.
     fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", &n)?;
         let (pages, gens) = self.take(py, n).map_err(to_py)?;
         hand_out(py, &self.inner, self.tag, pages, gens)
     }
 
+    /// As `alloc`, but returns None when fewer than `n` pages are free.
     fn try_alloc<'py>(
         &self,
         py: Python<'py>,
@@ -154,6 +222,21 @@ impl PyPageAllocator {
         }
     }
 
+    /// Drops one reference on each page; a page returns to the free list at zero.
+    ///
+    /// Parameters
+    /// ----------
+    /// pages : numpy.ndarray
+    ///     1-D int32 or int64 page ids, C-contiguous, each listed once.
+    ///
+    /// Raises
+    /// ------
+    /// PageError
+    ///     Padding page, out of range, already free, repeated in `pages`, a page whose only
+    ///     remaining reference is the cache's, or (debug mode) an array whose pages were freed and
+    ///     handed out again since it got them (nothing changes).
+    /// ArrayTypeError
+    ///     `pages` is not a contiguous 1-D int32/int64 numpy array.
     fn free(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
         let p = arr.pages("pages")?;
@@ -169,6 +252,12 @@ impl PyPageAllocator {
         .map_err(to_py)
     }
 
+    /// Adds one reference to each (allocated, listed once) page: another holder shares it.
+    ///
+    /// Raises
+    /// ------
+    /// PageError
+    ///     As `free`, or a page at the maximum count (nothing changes).
     fn inc_ref(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
         let p = arr.pages("pages")?;
@@ -184,32 +273,44 @@ impl PyPageAllocator {
         .map_err(to_py)
     }
 
+    /// A copy of every page's reference count, index 0 (padding) included.
+    ///
+    /// Returns
+    /// -------
+    /// numpy.ndarray
+    ///     uint32, shape `(num_pages + 1,)`.
     fn ref_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let v = with_lock(py, &self.inner, true, |a| a.ref_counts()).map_err(to_py)?;
         Ok(PyArray1::from_vec(py, v))
     }
 
+    /// Pages with no reference.
     #[getter]
     fn num_free(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.inner, false, |a| a.num_free())
     }
+    /// Pages with at least one reference (`num_free + num_used == num_pages`).
     #[getter]
     fn num_used(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.inner, false, |a| a.num_used())
     }
+    /// Usable pages (ids `1..num_pages`).
     #[getter]
     fn num_pages(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.inner, false, |a| a.num_pages())
     }
+    /// Tokens per page.
     #[getter]
     fn page_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.inner, false, |a| a.page_size())
     }
+    /// Whether the allocator was made with `debug=True` (generation checks on free).
     #[getter]
     fn debug(&self) -> bool {
         self.tag.is_some()
     }
 
+    /// `PageAllocator(num_pages=..., page_size=..., num_free=...)`.
     fn __repr__(&self, py: Python<'_>) -> String {
         let (n, ps, free) = with_lock(py, &self.inner, false, |a| {
             (a.num_pages(), a.page_size(), a.num_free())

@@ -18,13 +18,17 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
-/// A handle to a radix node, from `match_prefix`; pass it to `lock` / `unlock`.
+/// An opaque handle to a cache node, from `match_prefix`; hashable, comparable.
+///
+/// It stays valid while the node exists (later splits and inserts keep it valid); after the node is
+/// evicted or the cache reset, using it raises `StaleNodeError`.
 #[pyclass(name = "RadixNode", module = "kvpool._core", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub(crate) struct PyRadixNode(Handle);
 
 #[pymethods]
 impl PyRadixNode {
+    /// `RadixNode(slot)`.
     fn __repr__(&self) -> String {
         format!("RadixNode({})", self.0.node().get())
     }
@@ -113,7 +117,44 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
     }
 }
 
-/// Radix prefix cache over a `PageAllocator` (shared with it).
+/// Radix prefix cache over token ids, at page granularity, sharing `allocator`.
+///
+/// Both objects wrap one Rust allocator: requests allocate and free through either. The cache keeps
+/// its own reference on every page it stores; `evict` drops it. A partial last page is never
+/// cached. Equal tokens in different namespaces never match.
+///
+/// Parameters
+/// ----------
+/// allocator : PageAllocator
+///     The allocator whose pages the cache stores.
+/// page_size : int, optional
+///     Must equal `allocator.page_size` (the default).
+///
+/// Notes
+/// -----
+/// Threading: a cache may be shared by threads. Each call takes the cache's mutex (then the
+/// allocator's) and is atomic, so calls on one cache run one at a time; calls on different caches,
+/// and Python code in other threads, run alongside the long ones: `match_prefix` and `insert` of
+/// 16,384 tokens or more, `evict` of as many, `alloc` of 16,384 pages or more, `reset`,
+/// `check_invariants` and `leaf_paths` release the GIL (their array arguments are copied first).
+/// Sequences of calls are not atomic: another thread may evict the node `match_prefix` returned
+/// before `lock` takes it (`StaleNodeError`: treat it as a miss and match again), or take the pages
+/// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
+/// may call into kvpool at any time.
+///
+/// Examples
+/// --------
+/// >>> import numpy as np, kvpool
+/// >>> a = kvpool.PageAllocator(8, 2)
+/// >>> c = kvpool.RadixCache(a)
+/// >>> tokens = np.array([5, 6, 7, 8, 9], dtype=np.int32)
+/// >>> pages = c.alloc(3)
+/// >>> c.insert(tokens, pages)  # caches the 2 whole pages; returns tokens already present
+/// 0
+/// >>> a.free(pages)  # the request's references; the cache keeps its own
+/// >>> cached, node, n = c.match_prefix(tokens)
+/// >>> cached.tolist(), n
+/// ([1, 2], 4)
 #[pyclass(name = "RadixCache", module = "kvpool._core", frozen)]
 pub(crate) struct PyRadixCache {
     alloc: Shared,
@@ -187,6 +228,24 @@ impl PyRadixCache {
         })
     }
 
+    /// Longest cached page-aligned prefix of `tokens`.
+    ///
+    /// Parameters
+    /// ----------
+    /// tokens : numpy.ndarray
+    ///     1-D int32 or int64 token ids.
+    /// namespace : None, int, str, bytes or (nested) tuple of those
+    ///     Keys separate trees, e.g. `(("lora", adapter_id), ("salt", cache_salt))`. Values are
+    ///     tag-encoded, so `("lora", 1)` and `("salt", "1")` (or `1` and `"1"`) never collide; values
+    ///     equal in Python (`1 == True`) are one namespace.
+    ///
+    /// Returns
+    /// -------
+    /// tuple
+    ///     `(pages, node, matched_len)`: the page ids (int32, shape `(matched_len // page_size,)`),
+    ///     a handle to the node where the match ends (lock it to keep the pages), the matched length
+    ///     in tokens. A match ending inside an edge splits it there. Takes no lock; updates LRU times
+    ///     and hit/miss counters.
     #[pyo3(signature = (tokens, namespace=None))]
     fn match_prefix<'py>(
         &self,
@@ -210,6 +269,20 @@ impl PyRadixCache {
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
+    /// Caches the whole pages of `tokens`; returns how many tokens were already cached.
+    ///
+    /// `pages` has one id per page of `tokens` (`len(tokens) // page_size`, or one more for the
+    /// partial last page, which is not cached). The cache takes a reference on the pages of the part
+    /// not cached yet; the others stay the caller's, who frees its own references as usual. `pages`
+    /// may also be a tuple or list of 1-D arrays standing for their concatenation, e.g.
+    /// `(matched_pages, new_pages)`: the same result, without building the concatenated array.
+    ///
+    /// Raises
+    /// ------
+    /// InvalidArgumentError
+    ///     Mismatched lengths, a token beyond int32.
+    /// PageError
+    ///     A bad page id, or a page of the new part that is free, repeated or already cached.
     #[pyo3(signature = (tokens, pages, namespace=None))]
     fn insert(
         &self,
@@ -255,28 +328,55 @@ impl PyRadixCache {
             .map_err(to_py)
     }
 
+    /// Protects the node and its path to the root from eviction (counted).
+    ///
+    /// Raises
+    /// ------
+    /// StaleNodeError
+    ///     The node was evicted (e.g. by another thread between `match_prefix` and `lock`: treat it
+    ///     as a miss), the cache was reset, or the handle is another cache's.
     fn lock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
         let h = node.0;
         with_lock(py, &self.cache, false, |c| c.lock(h)).map_err(to_py)
     }
 
+    /// Releases one `lock` of this very node.
+    ///
+    /// Raises
+    /// ------
+    /// LockError
+    ///     The node holds no lock of its own.
+    /// StaleNodeError
+    ///     The node is gone.
     fn unlock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
         let h = node.0;
         with_lock(py, &self.cache, false, |c| c.unlock(h)).map_err(to_py)
     }
 
+    /// Evicts least-recently-used unlocked leaves (then their parents) until `num_tokens` tokens
+    /// left the cache or nothing evictable is left; returns the tokens evicted (whole nodes, so
+    /// possibly more than asked).
     fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
         let n = count("num_tokens", &num_tokens)?;
         self.with_both(py, n >= DETACH_MIN, |c, a| c.evict(a, n))
             .map_err(to_py)
     }
 
+    /// Allocates `n` pages, evicting LRU entries first when fewer are free.
+    ///
+    /// Raises
+    /// ------
+    /// OutOfPagesError
+    ///     Not even evicting everything evictable would free enough; nothing changed.
+    /// KeyboardInterrupt
+    ///     Ctrl-C during the call: the pages are given back (entries it evicted stay evicted).
     fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
         // (never None: only `soft` turns out-of-pages into None)
         self.take(py, &n, false)?
             .ok_or_else(|| InvalidArgumentError::new_err("unreachable"))
     }
 
+    /// As `alloc`, but returns None instead of raising `OutOfPagesError`.
     fn try_alloc<'py>(
         &self,
         py: Python<'py>,
@@ -285,15 +385,28 @@ impl PyRadixCache {
         self.take(py, &n, true)
     }
 
+    /// Empties the cache and zeroes the counters; every handle becomes stale.
+    ///
+    /// Raises
+    /// ------
+    /// CacheBusyError
+    ///     A lock is held.
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         self.with_both(py, true, |c, a| c.reset(a)).map_err(to_py)
     }
 
+    /// Checks the tree's structure against the allocator (O(tree), for tests).
+    ///
+    /// Raises
+    /// ------
+    /// CacheCorruptError
+    ///     An invariant is broken (a bug in kvpool).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.with_both(py, true, |c, a| c.check_invariants(a))
             .map_err(to_py)
     }
 
+    /// Every root-to-leaf path of a namespace as (tokens, pages) int32 arrays, for tests and debugging.
     #[pyo3(signature = (namespace=None))]
     fn leaf_paths<'py>(
         &self,
@@ -308,39 +421,48 @@ impl PyRadixCache {
             .collect())
     }
 
+    /// The shared allocator.
     #[getter]
     fn allocator(&self, py: Python<'_>) -> Py<PyPageAllocator> {
         self.allocator.clone_ref(py)
     }
+    /// Tokens per page.
     #[getter]
     fn page_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.page_size())
     }
+    /// Cached tokens no lock protects.
     #[getter]
     fn evictable_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.evictable_size())
     }
+    /// Cached tokens on locked paths.
     #[getter]
     fn protected_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.protected_size())
     }
+    /// All cached tokens (`evictable_size + protected_size`).
     #[getter]
     fn total_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.total_size())
     }
+    /// Tokens `match_prefix` served from the cache.
     #[getter]
     fn hit_tokens(&self, py: Python<'_>) -> u64 {
         with_lock(py, &self.cache, false, |c| c.hit_tokens())
     }
+    /// Tokens asked of `match_prefix` and not served (partial last pages included).
     #[getter]
     fn miss_tokens(&self, py: Python<'_>) -> u64 {
         with_lock(py, &self.cache, false, |c| c.miss_tokens())
     }
+    /// Nodes holding tokens.
     #[getter]
     fn num_nodes(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.num_nodes())
     }
 
+    /// `RadixCache(page_size=..., total_size=..., protected_size=...)`.
     fn __repr__(&self, py: Python<'_>) -> String {
         let (ps, total, protected) = with_lock(py, &self.cache, false, |c| {
             (c.page_size(), c.total_size(), c.protected_size())
