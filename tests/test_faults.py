@@ -403,3 +403,43 @@ def test_a_million_per_head_scales_load_in_one_pass(tmp_path):
     save_file({"model.layers.0.self_attn.k_scale": t}, str(f))
     with pytest.raises(ValueError, match="nan"):
         read_checkpoint_scales(f)
+
+
+# --- threads --------------------------------------------------------------------------------------
+
+
+def test_threads_share_a_cache_and_allocator_without_losing_pages():
+    """The threading contract: 4 threads on one cache (short and long calls, the GIL released in
+    the long ones); every page is accounted for at the end and the tree stays consistent.
+    `StaleNodeError` between `match_prefix` and `lock` is the documented race (a miss)."""
+    out = check(
+        run_child(
+            """
+            import threading, numpy as np, kvpool
+            a = kvpool.PageAllocator(40_000, 1); c = kvpool.RadixCache(a)
+            def worker(seed):
+                rng = np.random.default_rng(seed)
+                for i in range(60):
+                    n = int(rng.choice([8, 20_000]))
+                    toks = rng.integers(0, 4, n, dtype=np.int32)
+                    pages, node, m = c.match_prefix(toks)
+                    try:
+                        c.lock(node)
+                    except kvpool.StaleNodeError:
+                        continue
+                    new = c.try_alloc(n - m)
+                    if new is not None:
+                        c.insert(toks, (pages, new)); a.free(new)
+                    c.unlock(node)
+                    if i % 10 == 0: c.evict(int(rng.integers(0, 30_000)))
+            ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+            for t in ts: t.start()
+            for t in ts: t.join()
+            c.check_invariants()
+            assert a.num_used * 1 == c.total_size, (a.num_used, c.total_size)
+            c.reset(); print(a.num_used, c.protected_size)
+            """,
+            timeout=120,
+        )
+    )
+    assert out.split() == ["0", "0"]

@@ -882,6 +882,36 @@ mod tests {
     }
 
     #[test]
+    fn debug_generations_catch_a_free_after_reuse() {
+        let mut a = PageAllocator::with_debug(2, 1, true).unwrap();
+        let p = a.alloc_i32(2).unwrap();
+        let mut g = Vec::new();
+        a.grant(&p, &mut g);
+        assert_eq!(g, vec![1, 1]);
+        a.check_grant(&p, &g).unwrap();
+        a.free(&p).unwrap();
+        let q = a.alloc_i32(2).unwrap();
+        assert!(matches!(a.check_grant(&p, &g), Err(AllocError::Reused { granted: 1, now: 2, .. })));
+        let mut gq = Vec::new();
+        a.grant(&q, &mut gq);
+        a.check_grant(&q, &gq).unwrap();
+        // Without debug nothing is recorded and every grant passes.
+        let mut b = PageAllocator::new(2, 1).unwrap();
+        let p = b.alloc_i32(1).unwrap();
+        let mut none = Vec::new();
+        b.grant(&p, &mut none);
+        assert!(none.is_empty() && !b.debug());
+        assert!(b.check_grant(&p, &[7]).is_ok());
+    }
+
+    #[test]
+    fn try_vec_refuses_what_cannot_be_allocated() {
+        let e = try_vec::<u32>(usize::MAX / 2, || "x".into()).unwrap_err();
+        assert!(matches!(e, AllocError::NoMemory { .. }));
+        assert_eq!(PageAllocator::new(3, 1).unwrap().ref_counts().unwrap(), vec![0; 4]);
+    }
+
+    #[test]
     fn helpers() {
         assert_eq!(count("n", 3), Ok(3));
         assert_eq!(
