@@ -443,3 +443,31 @@ def test_threads_share_a_cache_and_allocator_without_losing_pages():
         )
     )
     assert out.split() == ["0", "0"]
+
+
+# --- point 9: negative token ids and masked arrays ------------------------------------------------
+
+
+def test_negative_token_ids_are_refused():
+    a = kvpool.PageAllocator(8, 1)
+    c = kvpool.RadixCache(a)
+    for dt in (np.int32, np.int64):
+        toks = np.array([3, -1, 4], dtype=dt)
+        with pytest.raises(kvpool.InvalidArgumentError, match=r"token `-1` at index 1"):
+            c.match_prefix(toks)
+        with pytest.raises(kvpool.InvalidArgumentError, match=r"token `-1` at index 1"):
+            c.insert(toks, np.array([1, 2, 3], dtype=np.int32))
+    assert c.total_size == 0 and c.miss_tokens == 0
+
+
+def test_masked_arrays_are_refused():
+    a = kvpool.PageAllocator(8, 1)
+    p = a.alloc(2)
+    m = np.ma.masked_array(p, mask=[False, True])
+    with pytest.raises(kvpool.ArrayTypeError, match="`pages` is a masked array"):
+        a.free(m)
+    t = np.ma.masked_array(np.zeros((1, 2), np.int32), mask=[[0, 1]])
+    with pytest.raises(kvpool.ArrayTypeError, match="`page_table` is a masked array"):
+        kvpool.decode_slots(t, np.array([1], np.int32), 1)
+    assert a.num_used == 2
+    a.free(p)

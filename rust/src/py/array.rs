@@ -98,8 +98,21 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
+/// Refuses a numpy masked array (an ndarray subclass whose data under the mask is arbitrary: its
+/// values are not the ids the caller means). Plain arrays pay one type comparison.
+fn masked(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<()> {
+    if obj.get_type().name().is_ok_and(|n| n == "ndarray") || obj.getattr("mask").is_err() {
+        return Ok(());
+    }
+    Err(array_type_error(
+        obj.py(),
+        format!("`{name}` is a masked array; pass `{name}.compressed()` or fill it (np.ma.filled)"),
+    ))
+}
+
 /// Borrows (or, when short, copies) `obj` as a 1-D int32 or int64 numpy array.
 pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
+    masked(obj, name)?;
     let busy = |e: numpy::BorrowError| array_type_error(obj.py(), format!("`{name}`: {e}"));
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
         if a.len() <= COPY_MAX {
@@ -158,9 +171,11 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input).
+    /// Token ids as int32 (borrowed for int32 input), none negative.
     pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
-        self.int32s(name, radix::narrow_tokens)
+        let t = self.int32s(name, radix::narrow_tokens)?;
+        radix::check_tokens(&t).map_err(to_py)?;
+        Ok(t)
     }
 
     /// Page ids as int32 (borrowed for int32 input).
@@ -192,6 +207,7 @@ pub(crate) fn table<'a, 'py>(
     obj: &'a Bound<'py, PyAny>,
     name: &str,
 ) -> PyResult<(&'a Bound<'py, PyArray2<i32>>, usize, usize)> {
+    masked(obj, name)?;
     let a = obj.cast::<PyArray2<i32>>().map_err(|_| {
         array_type_error(
             obj.py(),
