@@ -117,13 +117,18 @@ def test_fuzz_config_bytes(tmp_path, edits):
 
 
 @FUZZ
-@given(edits=EDITS, tail=st.binary(max_size=64))
-@example(edits=[], tail=b"")
-def test_fuzz_gguf_header(tmp_path, edits, tail):
+@given(
+    seed=st.sampled_from(["tiny.gguf", "arrays.gguf"]),
+    edits=EDITS,
+    tail=st.binary(max_size=64),
+    arrays=st.booleans(),
+)
+@example(seed="arrays.gguf", edits=[], tail=b"", arrays=True)
+def test_fuzz_gguf_header(tmp_path, seed, edits, tail, arrays):
     f = tmp_path / "x.gguf"
-    f.write_bytes(mutate((SEEDS / "tiny.gguf").read_bytes(), edits) + tail)
+    f.write_bytes(mutate((SEEDS / seed).read_bytes(), edits) + tail)
     try:
-        read_header(f, arrays=True)
+        read_header(f, arrays=arrays)
     except kvpool.ModelConfigError:
         pass
 
