@@ -471,3 +471,34 @@ def test_masked_arrays_are_refused():
         kvpool.decode_slots(t, np.array([1], np.int32), 1)
     assert a.num_used == 2
     a.free(p)
+
+
+def test_long_match_prefix_releases_the_gil():
+    """Issue 18, concurrency: with the switch interval at 30 s no thread is forced to hand the
+    GIL over, so thread B (which yields the GIL at every step) runs while thread A calls
+    `match_prefix` only if that call releases it. Independent of how many cores are free. Before:
+    B ran once (at A's end); now hundreds of times during 20 calls of 2^20 tokens."""
+    out = check(
+        run_child(
+            """
+            import sys, threading, time, numpy as np, kvpool
+            toks = np.random.default_rng(0).integers(0, 1 << 30, 1 << 20, dtype=np.int32)
+            a = kvpool.PageAllocator(len(toks) + 1, 1); c = kvpool.RadixCache(a)
+            p = c.alloc(len(toks)); c.insert(toks, p); a.free(p)
+            sys.setswitchinterval(30.0)
+            ticks = []; started = threading.Event(); done = threading.Event()
+            def b():
+                started.set()
+                while not done.is_set():
+                    ticks.append(1); time.sleep(0)
+            def a_():
+                started.wait()
+                for _ in range(20): c.match_prefix(toks)
+                done.set()
+            ta = threading.Thread(target=a_); tb = threading.Thread(target=b)
+            ta.start(); tb.start(); ta.join(); tb.join()
+            print(len(ticks))
+            """,
+        )
+    )
+    assert int(out) >= 20, f"thread B ran {out.strip()} times during 20 long calls"

@@ -7,7 +7,9 @@ Timed: `--calls` full-length `match_prefix` calls per thread, first one thread (
 then both at once. Ratio = throughput of two threads / throughput of one (2.0 = perfect overlap;
 about 1.0 when the GIL is held, as before issue 18).
 
-Also measured: the longest stall of a "ticker" thread (sleeps 1 ms in a loop, records the longest
+Also measured: `gil_ticks` (steps of a GIL-yielding thread during long calls with the switch
+interval at 30 s: shows the release whatever the load), one thread's CPU time / wall time (below
+1.0 the machine is oversubscribed and the ratio cannot reach 2), and the longest stall of a "ticker" thread (sleeps 1 ms in a loop, records the longest
 gap) while the main thread runs one long `match_prefix`: the GIL held through the call shows as a
 stall of the call's length.
 
@@ -79,6 +81,37 @@ def ticker_stall(cache, tokens) -> float:
     return 1e3 * max(gaps)
 
 
+def gil_ticks(cache, tokens, calls: int = 20) -> int:
+    """Steps a thread that yields the GIL at every step makes while another runs `calls` long
+    matches, with the switch interval at 30 s (no forced hand-over): 0-1 when the calls hold the
+    GIL, hundreds when they release it. Independent of free cores, unlike the ratio."""
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    ticks, started, done = [0], threading.Event(), threading.Event()
+
+    def b():
+        started.set()
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0)
+
+    def a():
+        started.wait()
+        for _ in range(calls):
+            cache.match_prefix(tokens)
+        done.set()
+
+    ts = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    sys.setswitchinterval(old)
+    return ticks[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=1 << 22)
@@ -97,6 +130,11 @@ def main() -> None:
         rounds.append({"one_thread_s": t1, "two_threads_s": t2, "ratio": 2 * t1 / t2})
         print(f"1 thread {t1:.3f} s, 2 threads {t2:.3f} s: ratio {2 * t1 / t2:.2f}", flush=True)
     stall = [ticker_stall(caches[0], tokens) for _ in range(3)]
+    ticks = gil_ticks(caches[0], tokens)
+    cpu0, w0 = time.process_time(), time.perf_counter()
+    run(caches[:1], tokens, args.calls)
+    cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - w0)
+    print(f"GIL-yielding thread steps during 20 long calls: {ticks}; one thread's CPU/wall {cpu_share:.2f}")
     per_call = min(r["one_thread_s"] for r in rounds) / args.calls
     print(f"match_prefix of {args.tokens} tokens: {1e3 * per_call:.1f} ms; ticker stall {min(stall):.2f} ms")
     result = {
@@ -109,6 +147,8 @@ def main() -> None:
         "best_ratio": max(r["ratio"] for r in rounds),
         "median_ratio": sorted(r["ratio"] for r in rounds)[len(rounds) // 2],
         "ticker_stall_ms": stall,
+        "gil_yield_steps_during_20_calls": ticks,
+        "one_thread_cpu_over_wall": cpu_share,
         "load_avg": os.getloadavg(),
     }
     if args.out:
