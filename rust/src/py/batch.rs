@@ -64,7 +64,7 @@ fn page_table<'py>(
         Some(o) => table(&o, "out")?.0.clone(),
         None => {
             let width = match &max_pages {
-                Some(m) => count("max_pages", &m)?,
+                Some(m) => count("max_pages", m)?,
                 None => refs.iter().map(|r| r.len()).max().unwrap_or(0),
             };
             zeros::<PyArray2<i32>>(py, &[refs.len(), width])?
