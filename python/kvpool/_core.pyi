@@ -1,14 +1,48 @@
 """Type stub of the native module ``kvpool._core`` (Rust, PyO3). Byte counts are ``int`` bytes."""
 
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
-KvDtypeName = Literal[
+_KvDtypeName = Literal[
     "auto", "fp32", "bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16"
 ]
-Nvfp4RecipeName = Literal["linear", "page_major", "mixed", "linear_workspace"]
+_Nvfp4RecipeName = Literal["linear", "page_major", "mixed", "linear_workspace"]
+
+__all__ = [
+    "KvDtypeError",
+    "ModelConfigError",
+    "LayoutError",
+    "SizingError",
+    "BudgetTooSmallError",
+    "OutOfPagesError",
+    "PageError",
+    "InvalidArgumentError",
+    "StaleNodeError",
+    "LockError",
+    "CacheBusyError",
+    "CacheCorruptError",
+    "BatchError",
+    "ArrayTypeError",
+    "KV_DTYPES",
+    "ModelGeometry",
+    "Plan",
+    "kv_budget_bytes",
+    "plan",
+    "PageAllocator",
+    "RadixNode",
+    "RadixCache",
+    "page_table",
+    "pages_needed",
+    "assign_pages",
+    "extend_slots",
+    "decode_slots",
+]
+
+KV_DTYPES: list[str]
+"""The KV cache dtypes kvpool can size and store (``auto`` aside)."""
 
 class KvDtypeError(ValueError): ...
 class ModelConfigError(ValueError): ...
@@ -16,6 +50,7 @@ class LayoutError(ValueError): ...
 class SizingError(ValueError): ...
 class BudgetTooSmallError(SizingError): ...
 
+@final
 class ModelGeometry:
     """Attention geometry (global, before TP sharding).
 
@@ -26,8 +61,8 @@ class ModelGeometry:
     shared layer -> source layer; ``draft``: the draft model's geometry.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         layer_kinds: list[Literal["full", "sliding", "linear", "shared"]],
         num_attention_heads: int,
@@ -45,19 +80,20 @@ class ModelGeometry:
         kv_shared_sources: dict[int, int] | None = None,
         linear_state: tuple[int, int, str, int, int, int, str] | None = None,
         draft: ModelGeometry | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     def kv_heads_per_rank(self, tp_size: int) -> int: ...
     @property
     def num_layers(self) -> int: ...
 
 #: (name, layer, tensor, role, torch dtype, shape, nbytes, group, space)
-BufferRow = tuple[str, int | None, str, str, str, list[int], int, str, str]
+_BufferRow = tuple[str, int | None, str, str, str, list[int], int, str, str]
 #: (name, kind, layers, space, kv_heads, head_dim, v_head_dim, bytes per row, bytes)
-GroupRow = tuple[str, str, list[int], str | None, int, int, int, int, int]
+_GroupRow = tuple[str, str, list[int], str | None, int, int, int, int, int]
 #: (name, kind, page_size, num_pages, rows, bytes per row, bytes, headroom pages,
 #:  capped_by_int32, requests of context_len tokens)
-SpaceRow = tuple[str, str, int, int, int, int, int, int, bool, int]
+_SpaceRow = tuple[str, str, int, int, int, int, int, int, bool, int]
 
+@final
 class Plan:
     """A sized pool (see ``kvpool.Plan`` for the documented wrapper)."""
 
@@ -96,7 +132,7 @@ class Plan:
     @property
     def state_bytes(self) -> int: ...
     @property
-    def nvfp4_recipe(self) -> Nvfp4RecipeName: ...
+    def nvfp4_recipe(self) -> _Nvfp4RecipeName: ...
     @property
     def dtype(self) -> str: ...
     @property
@@ -104,11 +140,11 @@ class Plan:
     @property
     def shared_sources(self) -> list[int | None]: ...
     @property
-    def buffers(self) -> list[BufferRow]: ...
+    def buffers(self) -> list[_BufferRow]: ...
     @property
-    def groups(self) -> list[GroupRow]: ...
+    def groups(self) -> list[_GroupRow]: ...
     @property
-    def page_spaces(self) -> list[SpaceRow]: ...
+    def page_spaces(self) -> list[_SpaceRow]: ...
     def request_bytes(self, n: int) -> int: ...
     def requests_fit(self, n: int) -> int: ...
     def linear_state_bytes(self) -> tuple[int, int]: ...
@@ -116,12 +152,12 @@ class Plan:
 def kv_budget_bytes(total_memory: int, available_memory: int, mem_frac: float) -> int: ...
 def plan(
     geometry: ModelGeometry,
-    dtype: KvDtypeName,
+    dtype: _KvDtypeName,
     *,
     model_dtype: str = "bf16",
     page_size: int = 1,
     tp_size: int = 1,
-    nvfp4_recipe: Nvfp4RecipeName = "linear",
+    nvfp4_recipe: _Nvfp4RecipeName = "linear",
     overrides: list[tuple[int, str]] = ...,
     sliding_dtype: str | None = None,
     budget: int | None = None,
@@ -132,9 +168,9 @@ def plan(
 ) -> Plan: ...
 
 
-Int32Array: TypeAlias = npt.NDArray[np.int32]
-IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
-Namespace: TypeAlias = None | int | str | bytes | tuple["Namespace", ...]
+_Int32Array: TypeAlias = npt.NDArray[np.int32]
+_IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
+_Namespace: TypeAlias = None | int | str | bytes | tuple["_Namespace", ...]
 
 
 # --- exceptions ----------------------------------------------------------------------------------
@@ -187,6 +223,7 @@ class ArrayTypeError(TypeError, ValueError):
 
 # --- allocator -----------------------------------------------------------------------------------
 
+@final
 class PageAllocator:
     """Pages ``1..num_pages`` of ``page_size`` tokens with reference counts.
 
@@ -199,6 +236,10 @@ class PageAllocator:
         must fit in int32 slot indices.
     page_size : int
         Tokens per page.
+    debug : bool, default False
+        Record a generation per page in the arrays handed out, so that freeing such an array
+        (or a view of it) after its pages were handed out again raises ``PageError``. Copies
+        and concatenations of a stale array are not caught.
 
     Examples
     --------
@@ -212,8 +253,8 @@ class PageAllocator:
     4
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None: ...
-    def alloc(self, n: int) -> Int32Array:
+    def __new__(cls, num_pages: int, page_size: int, debug: bool = False) -> Self: ...
+    def alloc(self, n: int) -> _Int32Array:
         """Hands out ``n`` pages, one reference each.
 
         Raises
@@ -223,9 +264,9 @@ class PageAllocator:
         InvalidArgumentError
             ``n`` is negative.
         """
-    def try_alloc(self, n: int) -> Int32Array | None:
+    def try_alloc(self, n: int) -> _Int32Array | None:
         """As ``alloc``, but returns None when fewer than ``n`` pages are free."""
-    def free(self, pages: IntArray) -> None:
+    def free(self, pages: _IntArray) -> None:
         """Drops one reference on each page; a page returns to the free list at zero.
 
         Raises
@@ -236,7 +277,7 @@ class PageAllocator:
         ArrayTypeError
             ``pages`` is not a contiguous 1-D int32/int64 numpy array.
         """
-    def inc_ref(self, pages: IntArray) -> None:
+    def inc_ref(self, pages: _IntArray) -> None:
         """Adds one reference to each (allocated, listed once) page: another holder shares it."""
     def ref_counts(self) -> npt.NDArray[np.uint32]:
         """A copy of every page's reference count, index 0 (padding) included."""
@@ -252,9 +293,13 @@ class PageAllocator:
     @property
     def page_size(self) -> int:
         """Tokens per page."""
+    @property
+    def debug(self) -> bool:
+        """Whether generation checks are on (``debug=True``)."""
 
 # --- radix cache ---------------------------------------------------------------------------------
 
+@final
 class RadixNode:
     """An opaque handle to a cache node, from ``match_prefix``; hashable, comparable.
 
@@ -262,6 +307,7 @@ class RadixNode:
     node is evicted or the cache reset, using it raises ``StaleNodeError``.
     """
 
+@final
 class RadixCache:
     """Radix prefix cache over token ids, at page granularity, sharing ``allocator``.
 
@@ -291,10 +337,10 @@ class RadixCache:
     ([1, 2], 4)
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int | None = None) -> None: ...
+    def __new__(cls, allocator: PageAllocator, page_size: int | None = None) -> Self: ...
     def match_prefix(
-        self, tokens: IntArray, namespace: Namespace = None
-    ) -> tuple[Int32Array, RadixNode, int]:
+        self, tokens: _IntArray, namespace: _Namespace = None
+    ) -> tuple[_Int32Array, RadixNode, int]:
         """Longest cached page-aligned prefix of ``tokens``.
 
         Returns ``(pages, node, matched_len)``: the page ids (int32), a handle to the node where
@@ -308,9 +354,9 @@ class RadixCache:
         """
     def insert(
         self,
-        tokens: IntArray,
-        pages: IntArray | tuple[IntArray, ...] | list[IntArray],
-        namespace: Namespace = None,
+        tokens: _IntArray,
+        pages: _IntArray | tuple[_IntArray, ...] | list[_IntArray],
+        namespace: _Namespace = None,
     ) -> int:
         """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
 
@@ -347,7 +393,7 @@ class RadixCache:
         """Evicts least-recently-used unlocked leaves (then their parents) until ``num_tokens``
         tokens left the cache or nothing evictable is left; returns the tokens evicted (whole
         nodes, so possibly more than asked)."""
-    def alloc(self, n: int) -> Int32Array:
+    def alloc(self, n: int) -> _Int32Array:
         """Allocates ``n`` pages, evicting LRU entries first when fewer are free.
 
         Raises
@@ -355,7 +401,7 @@ class RadixCache:
         OutOfPagesError
             Not even evicting everything evictable would free enough; nothing changed.
         """
-    def try_alloc(self, n: int) -> Int32Array | None:
+    def try_alloc(self, n: int) -> _Int32Array | None:
         """As ``alloc``, but returns None instead of raising ``OutOfPagesError``."""
     def reset(self) -> None:
         """Empties the cache and zeroes the counters; every handle becomes stale.
@@ -367,7 +413,7 @@ class RadixCache:
         """
     def check_invariants(self) -> None:
         """Checks the tree's structure against the allocator (O(tree), for tests)."""
-    def leaf_paths(self, namespace: Namespace = None) -> list[tuple[Int32Array, Int32Array]]:
+    def leaf_paths(self, namespace: _Namespace = None) -> list[tuple[_Int32Array, _Int32Array]]:
         """Every root-to-leaf path of a namespace as (tokens, pages), for tests and debugging."""
     @property
     def allocator(self) -> PageAllocator:
@@ -397,31 +443,31 @@ class RadixCache:
 # --- batch helpers -------------------------------------------------------------------------------
 
 def page_table(
-    pages: list[IntArray], max_pages: int | None = None, *, out: Int32Array | None = None
-) -> Int32Array:
+    pages: list[_IntArray], max_pages: int | None = None, *, out: _Int32Array | None = None
+) -> _Int32Array:
     """The ``[B, max_pages]`` int32 page table of a batch, rows padded with page 0.
 
     ``max_pages`` defaults to the longest row (or ``out``'s width); ``out`` is filled in place.
     """
 
-def pages_needed(prefix_lens: IntArray, seq_lens: IntArray, page_size: int) -> Int32Array:
+def pages_needed(prefix_lens: _IntArray, seq_lens: _IntArray, page_size: int) -> _Int32Array:
     """New pages per request to grow from ``prefix_lens`` to ``seq_lens`` tokens:
     ``ceil(seq / page_size) - ceil(prefix / page_size)``."""
 
 def assign_pages(
-    page_table: Int32Array, prefix_lens: IntArray, seq_lens: IntArray, new_pages: IntArray, page_size: int
+    page_table: _Int32Array, prefix_lens: _IntArray, seq_lens: _IntArray, new_pages: _IntArray, page_size: int
 ) -> None:
     """Writes ``new_pages`` (batch order, ``pages_needed`` each) into the row entries
     ``ceil(prefix / page_size) .. ceil(seq / page_size)`` of ``page_table``, in place."""
 
 def extend_slots(
-    page_table: Int32Array,
-    prefix_lens: IntArray,
-    seq_lens: IntArray,
+    page_table: _Int32Array,
+    prefix_lens: _IntArray,
+    seq_lens: _IntArray,
     page_size: int,
     *,
-    out: Int32Array | None = None,
-) -> Int32Array:
+    out: _Int32Array | None = None,
+) -> _Int32Array:
     """Slot indices (``page * page_size + offset``) of tokens ``prefix_lens[i]..seq_lens[i]``
     of every request, concatenated in batch order; the last partial page fills first.
 
@@ -435,6 +481,6 @@ def extend_slots(
     """
 
 def decode_slots(
-    page_table: Int32Array, seq_lens: IntArray, page_size: int, *, out: Int32Array | None = None
-) -> Int32Array:
+    page_table: _Int32Array, seq_lens: _IntArray, page_size: int, *, out: _Int32Array | None = None
+) -> _Int32Array:
     """Slot of each request's last token (position ``seq_lens[i] - 1``) for a decode step."""

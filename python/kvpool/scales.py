@@ -244,9 +244,11 @@ def _checkpoint_files(path: Path) -> list[tuple[Path, list[str] | None]]:
             return [(f, None) for f in files]
     if path.name.endswith(".json"):
         try:
+            if not path.is_file():
+                raise OSError("not a regular file")
             wm = json.loads(path.read_text())["weight_map"]
             items = [(str(n), str(f)) for n, f in wm.items()]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ValueError(f"`path` {path}: not a safetensors index ({e!r})") from None
         shards: dict[Path, list[str]] = {}
         for name, shard in items:
@@ -254,7 +256,9 @@ def _checkpoint_files(path: Path) -> list[tuple[Path, list[str] | None]]:
                 shards.setdefault(path.parent / shard, []).append(name)
         return sorted(shards.items())
     if not path.is_file():
-        raise ValueError(f"`path` {path} does not exist")
+        # (a FIFO or device would block or stream forever: regular files only)
+        what = "does not exist" if not path.exists() else "is not a regular file"
+        raise ValueError(f"`path` {path} {what}")
     return [(path, None)]
 
 
@@ -271,6 +275,7 @@ def read_checkpoint_scales(path: str | Path) -> tuple[dict[int, float], dict[int
     ValueError
         Unreadable files, bad values or conflicting duplicates (naming the layer and tensor).
     """
+    import torch
     from safetensors import safe_open
 
     found: dict[tuple[int, str], tuple[float, str]] = {}
@@ -286,15 +291,18 @@ def read_checkpoint_scales(path: str | Path) -> tuple[dict[int, float], dict[int
                 if m is None:
                     continue
                 layer, which = int(m.group(1)), m.group(3)[: -len("_scale")]
-                t = sf.get_tensor(name).float().reshape(-1)
+                t = sf.get_tensor(name).double().reshape(-1)
                 if t.numel() == 0:
                     raise ValueError(f"layer {layer}: `{name}` is empty")
-                vals = [_check_scale(layer, f"`{name}`", float(x)) for x in t]
-                x = max(vals)
-                if len(vals) > 1:
+                # One pass over the tensor (10^6 per-head values: no per-element Python).
+                bad = ~(torch.isfinite(t) & (t > 0))
+                if bool(bad.any()):
+                    _check_scale(layer, f"`{name}`", float(t[bad.nonzero()[0, 0]]))
+                x, lo = float(t.max()), float(t.min())
+                if t.numel() > 1:
                     warnings.warn(
-                        f"layer {layer}: `{name}` has {len(vals)} per-head values "
-                        f"(min {min(vals):g}, max {x:g}); kvpool pools keep one scale per tensor, "
+                        f"layer {layer}: `{name}` has {t.numel()} per-head values "
+                        f"(min {lo:g}, max {x:g}); kvpool pools keep one scale per tensor, "
                         f"using the max {x:g} (nothing saturates; heads with smaller scales lose "
                         f"some precision)",
                         KVScaleWarning,
@@ -425,6 +433,8 @@ def read_json_scales(
         ``"01"``, or a repeated key; naming the layer), a key repeated with different values.
     """
     where = str(src) if not isinstance(src, Mapping) else "<dict>"
+    # (an int, so that 0.0 or "0" never stands for rank 0 through its text)
+    tp_rank = _int_arg("tp_rank", tp_rank, "the tensor-parallel rank must be an integer")
     if isinstance(src, Mapping):
         doc: Any = src
     else:
@@ -432,8 +442,9 @@ def read_json_scales(
             doc = json.loads(
                 Path(src).read_text(), object_pairs_hook=_json_object, parse_int=_json_int
             )
-        except (OSError, ValueError) as e:
-            raise ValueError(f"scale file {where}: {e}") from None
+        except (OSError, ValueError, RecursionError) as e:
+            # (RecursionError: JSON nested deeper than the parser's stack)
+            raise ValueError(f"scale file {where}: {type(e).__name__}: {e}") from None
     try:
         kv = doc["kv_cache"]
         dtype_name = kv["dtype"]

@@ -77,6 +77,26 @@ pub enum AllocError {
     RefOverflow { page: u32 },
     #[error("`{what}` must not be negative, got `{value}`")]
     Negative { what: &'static str, value: i64 },
+    #[error("`{what}` must fit in int64, got `{value}`")]
+    TooLarge { what: &'static str, value: String },
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    NoMemory { what: String, bytes: u64 },
+    #[error("page `{page}` was freed and handed out again after this array got it (generation {granted}, now {now}): double free after reuse")]
+    Reused { page: u32, granted: u32, now: u32 },
+}
+
+/// `len` elements of `T` reserved in a new vector, or [`AllocError::NoMemory`] naming `what`:
+/// the sizes that reach here come from the caller, so a failure must be an error, not an abort.
+///
+/// # Errors
+/// [`AllocError::NoMemory`].
+pub fn try_vec<T>(len: usize, what: impl FnOnce() -> String) -> Result<Vec<T>, AllocError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| AllocError::NoMemory {
+        what: what(),
+        bytes: (len as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+    })?;
+    Ok(v)
 }
 
 /// A non-negative count from the Python side (`alloc(n)`, `evict(n)`).
@@ -152,6 +172,10 @@ pub struct PageAllocator {
     /// Cached pages that someone else holds too (holders >= 1): when there are none, evicting a
     /// page always frees it, and the cache can plan evictions without looking at each page.
     shared_cached: usize,
+    /// Debug mode only (else empty): per page, how many times it left the free list. An array
+    /// handed out records the generations of its pages, so freeing it after its pages were freed
+    /// and handed out again is seen (see [`check_grant`](Self::check_grant)).
+    gens: Vec<u32>,
 }
 
 impl PageAllocator {
@@ -161,6 +185,15 @@ impl PageAllocator {
     /// [`AllocError::ZeroPages`], [`AllocError::ZeroPageSize`], or
     /// [`AllocError::TooManySlots`] when `(num_pages + 1) * page_size` exceeds the int32 range.
     pub fn new(num_pages: u64, page_size: u64) -> Result<Self, AllocError> {
+        Self::with_debug(num_pages, page_size, false)
+    }
+
+    /// [`new`](Self::new), with per-page generations kept when `debug` is set (4 bytes a page).
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), plus [`AllocError::NoMemory`] when the per-page state (12 bytes a
+    /// page, 16 with `debug`) cannot be allocated.
+    pub fn with_debug(num_pages: u64, page_size: u64, debug: bool) -> Result<Self, AllocError> {
         if num_pages == 0 {
             return Err(AllocError::ZeroPages);
         }
@@ -177,9 +210,17 @@ impl PageAllocator {
             });
         }
         let n = num_pages as u32;
+        let len = n as usize + 1;
+        let what = |name: &str| format!("the {name} of `num_pages` = {num_pages} pages");
         // Stack order: the first `alloc` returns 1, 2, 3, ...; plus the spare entry.
-        let free: Box<[i32]> = (1..=n as i32).rev().chain([0]).collect();
-        let mut slots = vec![0; n as usize + 1];
+        let mut free = try_vec::<i32>(len, || what("free list"))?;
+        free.extend((1..=n as i32).rev().chain([0]));
+        let mut slots = try_vec::<Slot>(len, || what("reference counts"))?;
+        slots.resize(len, 0);
+        let mut seen = try_vec::<u32>(len, || what("repeat stamps"))?;
+        seen.resize(len, 0);
+        let mut gens = try_vec::<u32>(if debug { len } else { 0 }, || what("generations"))?;
+        gens.resize(gens.capacity().min(len), 0);
         // Touch every memory page of the slots now (a zeroed allocation is mapped lazily), so the
         // first allocations of a serving loop do not take the page faults.
         for s in slots.iter_mut().step_by(1024) {
@@ -190,11 +231,12 @@ impl PageAllocator {
             page_size: page_size as u32,
             num_pages: n,
             slots,
-            seen: vec![0; n as usize + 1],
-            free,
+            seen,
+            free: free.into_boxed_slice(),
             free_len: n as usize,
             stamp: 0,
             shared_cached: 0,
+            gens,
         })
     }
 
@@ -216,8 +258,56 @@ impl PageAllocator {
         self.slots.get(page.index()).map_or(0, |&s| ref_total(s))
     }
     /// Reference count of every page id, index 0 (padding) included.
-    pub fn ref_counts(&self) -> Vec<u32> {
-        self.slots.iter().map(|&s| ref_total(s)).collect()
+    ///
+    /// # Errors
+    /// [`AllocError::NoMemory`] when the copy cannot be allocated.
+    pub fn ref_counts(&self) -> Result<Vec<u32>, AllocError> {
+        let mut v = try_vec(self.slots.len(), || "the reference counts".into())?;
+        v.extend(self.slots.iter().map(|&s| ref_total(s)));
+        Ok(v)
+    }
+
+    /// Whether the allocator keeps per-page generations (made with `debug`).
+    pub fn debug(&self) -> bool {
+        !self.gens.is_empty()
+    }
+
+    /// Appends the generation of each page (ids handed out by this allocator) to `out`: what an
+    /// array handed out records, for [`check_grant`](Self::check_grant). Nothing in release mode.
+    pub fn grant(&self, pages: &[i32], out: &mut Vec<u32>) {
+        if self.debug() {
+            out.extend(pages.iter().map(|&p| self.gens.get(p as u32 as usize).copied().unwrap_or(0)));
+        }
+    }
+
+    /// Checks that each page still is in the generation `granted` recorded when it was handed
+    /// out (debug mode; always `Ok` otherwise). Pages out of range are left to the call's own
+    /// checks.
+    ///
+    /// # Errors
+    /// [`AllocError::Reused`] for the first page freed and handed out again since.
+    pub fn check_grant(&self, pages: &[i32], granted: &[u32]) -> Result<(), AllocError> {
+        if !self.debug() {
+            return Ok(());
+        }
+        for (&p, &g) in pages.iter().zip(granted) {
+            if let Some(&now) = self.gens.get(p as u32 as usize) {
+                if now != g {
+                    return Err(AllocError::Reused { page: p as u32, granted: g, now });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new generation for each page leaving the free list (debug mode).
+    fn bump(&mut self, pages: &[i32]) {
+        if !self.gens.is_empty() {
+            for &p in pages {
+                let g = &mut self.gens[p as u32 as usize];
+                *g = g.wrapping_add(1);
+            }
+        }
     }
     /// Whether a prefix cache holds a reference on `page`.
     pub fn is_cached(&self, page: PageId) -> bool {
@@ -253,7 +343,7 @@ impl PageAllocator {
     /// As [`alloc`](Self::alloc).
     pub fn alloc_i32(&mut self, n: usize) -> Result<Vec<i32>, AllocError> {
         // (capped: `n` is the caller's, and a request beyond the free pages fails below)
-        let mut out = Vec::with_capacity(n.min(self.free_len));
+        let mut out = try_vec(n.min(self.free_len), || format!("`n` = {n} page ids"))?;
         self.alloc_into(&mut out, n)?;
         Ok(out)
     }
@@ -280,6 +370,10 @@ impl PageAllocator {
             slots[p as u32 as usize] = 1;
         }
         self.free_len = start;
+        if self.debug() {
+            let taken = self.free[start..start + n].to_vec();
+            self.bump(&taken);
+        }
         Ok(())
     }
 
@@ -519,6 +613,7 @@ impl PageAllocator {
             out.extend_from_slice(given);
             self.free[len..len + rest.len()].copy_from_slice(rest);
             self.free_len = len + rest.len();
+            self.bump(given);
             return;
         }
         let free = &mut self.free[..];
@@ -534,6 +629,9 @@ impl PageAllocator {
             if r == 0 && out.len() < want {
                 *s = 1;
                 out.push(p);
+                if let Some(g) = self.gens.get_mut(p as u32 as usize) {
+                    *g = g.wrapping_add(1);
+                }
                 continue;
             }
             *s = r;
@@ -781,6 +879,36 @@ mod tests {
         assert!(a.inc_ref(&p).is_ok());
         assert_eq!(a.stamp, 1);
         assert!(a.inc_ref(&[p[0], p[0]]).is_err());
+    }
+
+    #[test]
+    fn debug_generations_catch_a_free_after_reuse() {
+        let mut a = PageAllocator::with_debug(2, 1, true).unwrap();
+        let p = a.alloc_i32(2).unwrap();
+        let mut g = Vec::new();
+        a.grant(&p, &mut g);
+        assert_eq!(g, vec![1, 1]);
+        a.check_grant(&p, &g).unwrap();
+        a.free(&p).unwrap();
+        let q = a.alloc_i32(2).unwrap();
+        assert!(matches!(a.check_grant(&p, &g), Err(AllocError::Reused { granted: 1, now: 2, .. })));
+        let mut gq = Vec::new();
+        a.grant(&q, &mut gq);
+        a.check_grant(&q, &gq).unwrap();
+        // Without debug nothing is recorded and every grant passes.
+        let mut b = PageAllocator::new(2, 1).unwrap();
+        let p = b.alloc_i32(1).unwrap();
+        let mut none = Vec::new();
+        b.grant(&p, &mut none);
+        assert!(none.is_empty() && !b.debug());
+        assert!(b.check_grant(&p, &[7]).is_ok());
+    }
+
+    #[test]
+    fn try_vec_refuses_what_cannot_be_allocated() {
+        let e = try_vec::<u32>(usize::MAX / 2, || "x".into()).unwrap_err();
+        assert!(matches!(e, AllocError::NoMemory { .. }));
+        assert_eq!(PageAllocator::new(3, 1).unwrap().ref_counts().unwrap(), vec![0; 4]);
     }
 
     #[test]

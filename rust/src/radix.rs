@@ -52,7 +52,7 @@ pub enum RadixError {
         full: usize,
         ceil: usize,
     },
-    #[error("token `{value}` at index {index} does not fit in int32")]
+    #[error("token `{value}` at index {index} is not a token id (token ids are 0..=2147483647, int32 and non-negative)")]
     TokenOutOfRange { index: usize, value: i64 },
     #[error("stale node handle `{node}`: the node was evicted, the cache was reset, or the handle belongs to another cache")]
     StaleHandle { node: u32 },
@@ -69,9 +69,9 @@ pub enum RadixError {
 /// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
 ///
 /// # Errors
-/// [`RadixError::TokenOutOfRange`] naming the first value that does not fit.
+/// [`RadixError::TokenOutOfRange`] naming the first value that does not fit or is negative.
 pub fn narrow_tokens(tokens: &[i64]) -> Result<Vec<i32>, RadixError> {
-    let fits = |v: i64| i64::from(v as i32) == v;
+    let fits = |v: i64| (0..=i64::from(i32::MAX)).contains(&v);
     // Branch-free check first (vectorizes), then a plain cast; the slow path only names the value.
     if tokens.iter().fold(true, |ok, &v| ok & fits(v)) {
         return Ok(tokens.iter().map(|&v| v as i32).collect());
@@ -82,6 +82,20 @@ pub fn narrow_tokens(tokens: &[i64]) -> Result<Vec<i32>, RadixError> {
         .find(|(_, &v)| !fits(v))
         .unwrap_or((0, &0));
     Err(RadixError::TokenOutOfRange { index, value })
+}
+
+/// Checks int32 token ids: a negative one is no token of any tokenizer (a padding value or a
+/// bug), and caching it would make a key no real prompt matches.
+///
+/// # Errors
+/// [`RadixError::TokenOutOfRange`] naming the first negative value.
+pub fn check_tokens(tokens: &[i32]) -> Result<(), RadixError> {
+    // Branch-free first (vectorizes); the slow path only names the value.
+    if tokens.iter().fold(0, |acc, &v| acc | v) >= 0 {
+        return Ok(());
+    }
+    let (index, &value) = tokens.iter().enumerate().find(|(_, &v)| v < 0).unwrap_or((0, &0));
+    Err(RadixError::TokenOutOfRange { index, value: i64::from(value) })
 }
 
 /// A cache namespace: a canonical, tagged byte encoding of the caller's key (adapter id, salt, ...).

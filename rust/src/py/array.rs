@@ -7,10 +7,10 @@
 use std::borrow::Cow;
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
-use pyo3::types::{PyBool, PyInt, PyTuple};
+use pyo3::types::{PyBool, PyInt, PySlice, PyTuple};
 
 use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
@@ -19,8 +19,13 @@ use crate::radix;
 /// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
 /// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page; so is a
 /// bool tensor or array, whose `__index__` also gives 0 or 1. The message names the value (PyO3
-/// attaches the argument's name as a note).
-pub(crate) struct Int(pub(crate) i64);
+/// attaches the argument's name as a note). A value beyond int64 is kept as its text, so that
+/// [`count`] can refuse it naming the argument (not a bare `OverflowError`).
+pub(crate) struct Int {
+    pub(crate) value: i64,
+    /// The decimal text of a value beyond int64 (`value` is then its sign: -1 or 1).
+    big: Option<String>,
+}
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
@@ -43,7 +48,18 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
                 }
             }
         }
-        Ok(Self(obj.extract::<i64>()?))
+        match obj.extract::<i64>() {
+            Ok(value) => Ok(Self { value, big: None }),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                // (an int, or what `__index__` made of the value: its text names it)
+                let i = obj.py().get_type::<PyInt>().call1((obj,))?;
+                Ok(Self {
+                    value: if i.lt(0)? { -1 } else { 1 },
+                    big: Some(i.str()?.to_string()),
+                })
+            }
+            Err(e) => Err(e),
+        }
     }
 }
 
@@ -82,8 +98,21 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
     }
 }
 
+/// Refuses a numpy masked array (an ndarray subclass whose data under the mask is arbitrary: its
+/// values are not the ids the caller means). Plain arrays pay one type comparison.
+fn masked(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<()> {
+    if obj.get_type().name().is_ok_and(|n| n == "ndarray") || obj.getattr("mask").is_err() {
+        return Ok(());
+    }
+    Err(array_type_error(
+        obj.py(),
+        format!("`{name}` is a masked array; pass `{name}.compressed()` or fill it (np.ma.filled)"),
+    ))
+}
+
 /// Borrows (or, when short, copies) `obj` as a 1-D int32 or int64 numpy array.
 pub(crate) fn ints<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Ints<'py>> {
+    masked(obj, name)?;
     let busy = |e: numpy::BorrowError| array_type_error(obj.py(), format!("`{name}`: {e}"));
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
         if a.len() <= COPY_MAX {
@@ -142,9 +171,11 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input).
+    /// Token ids as int32 (borrowed for int32 input), none negative.
     pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
-        self.int32s(name, radix::narrow_tokens)
+        let t = self.int32s(name, radix::narrow_tokens)?;
+        radix::check_tokens(&t).map_err(to_py)?;
+        Ok(t)
     }
 
     /// Page ids as int32 (borrowed for int32 input).
@@ -176,6 +207,7 @@ pub(crate) fn table<'a, 'py>(
     obj: &'a Bound<'py, PyAny>,
     name: &str,
 ) -> PyResult<(&'a Bound<'py, PyArray2<i32>>, usize, usize)> {
+    masked(obj, name)?;
     let a = obj.cast::<PyArray2<i32>>().map_err(|_| {
         array_type_error(
             obj.py(),
@@ -192,9 +224,109 @@ pub(crate) fn table<'a, 'py>(
     Ok((a, shape[0], shape[1]))
 }
 
-/// A non-negative count (`n`, `num_tokens`, `page_size`): negative values raise ValueError.
-pub(crate) fn count(what: &'static str, value: i64) -> PyResult<usize> {
-    alloc::count(what, value).map_err(to_py)
+/// A non-negative count (`n`, `num_tokens`, `page_size`): negative values raise ValueError, and
+/// so do values beyond int64 (InvalidArgumentError naming `what` and the value).
+pub(crate) fn count(what: &'static str, value: &Int) -> PyResult<usize> {
+    match &value.big {
+        None => alloc::count(what, value.value).map_err(to_py),
+        Some(text) => Err(to_py(alloc::AllocError::TooLarge {
+            what,
+            value: text.clone(),
+        })),
+    }
+}
+
+/// `s` as an owned copy when the call runs with the GIL released (numpy memory is not read
+/// then: another Python thread may write it), else as it is. A copy that cannot be allocated
+/// is MemoryError.
+pub(crate) fn detachable<T: Copy>(s: Cow<'_, [T]>, long: bool) -> PyResult<Cow<'_, [T]>> {
+    match s {
+        Cow::Borrowed(b) if long => {
+            let mut v = alloc::try_vec(b.len(), || format!("a copy of {} ids", b.len()))
+                .map_err(to_py)?;
+            v.extend_from_slice(b);
+            Ok(Cow::Owned(v))
+        }
+        other => Ok(other),
+    }
+}
+
+/// Marks the buffer behind a page array handed out by a debug-mode allocator. The buffer is
+/// `[GRANT_MAGIC, tag, n, gens (n, as int32 bits)..., ids (n)...]`; the caller gets the view of
+/// the ids, whose `.base` is the whole buffer (numpy keeps it as the base of every view of the
+/// view too, so slices of it are checked as well).
+const GRANT_MAGIC: i32 = 0x4B56_5047; // "KVPG"
+const GRANT_HEAD: usize = 3;
+
+/// The page array of `pages` with their generations `gens` recorded (see [`GRANT_MAGIC`]).
+pub(crate) fn page_array_granted<'py>(
+    py: Python<'py>,
+    tag: i32,
+    pages: &[i32],
+    gens: &[u32],
+) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let n = pages.len();
+    let mut buf = alloc::try_vec::<i32>(GRANT_HEAD + 2 * n, || format!("`n` = {n} page ids"))
+        .map_err(to_py)?;
+    buf.extend([GRANT_MAGIC, tag, n as i32]);
+    buf.extend(gens.iter().map(|&g| g as i32));
+    buf.extend_from_slice(pages);
+    let full = PyArray1::from_vec(py, buf);
+    let start = GRANT_HEAD + n;
+    let view = full.get_item(PySlice::new(py, start as isize, (start + n) as isize, 1))?;
+    Ok(view.cast_into::<PyArray1<i32>>()?)
+}
+
+/// The generations recorded for the `len` pages of `obj` when a debug-mode allocator of `tag`
+/// handed them out; `None` for an array it did not hand out (a copy, a concatenation: those are
+/// not checked).
+pub(crate) fn grant_of(obj: &Bound<'_, PyAny>, tag: i32, len: usize) -> PyResult<Option<Vec<u32>>> {
+    let Ok(view) = obj.cast::<PyArray1<i32>>() else {
+        return Ok(None);
+    };
+    let Ok(base) = view.getattr("base") else {
+        return Ok(None);
+    };
+    let Ok(base) = base.cast::<PyArray1<i32>>() else {
+        return Ok(None);
+    };
+    let Ok(b) = base.try_readonly() else {
+        return Ok(None);
+    };
+    let Ok(all) = b.as_slice() else {
+        return Ok(None);
+    };
+    if all.len() < GRANT_HEAD || all[0] != GRANT_MAGIC || all[1] != tag {
+        return Ok(None);
+    }
+    let n = all[2] as usize;
+    if all.len() != GRANT_HEAD + 2 * n || view.strides()[0] != 4 {
+        return Ok(None);
+    }
+    // Where the view starts within the ids (a slice of the handed-out array starts later).
+    let offset = (view.data() as usize).wrapping_sub(all.as_ptr() as usize) / 4;
+    let Some(j) = offset.checked_sub(GRANT_HEAD + n) else {
+        return Ok(None);
+    };
+    if j + len > n {
+        return Ok(None);
+    }
+    let gens = &all[GRANT_HEAD + j..GRANT_HEAD + j + len];
+    Ok(Some(gens.iter().map(|&g| g as u32).collect()))
+}
+
+/// Sets up rust-numpy's lazily built state (the NumPy C-API capsule, the shared borrow checker)
+/// at module import: built on first use instead, a pending signal there (Ctrl-C) made rust-numpy
+/// panic after an allocation had taken its pages.
+pub(crate) fn init(py: Python<'_>) -> PyResult<()> {
+    let a = PyArray1::from_vec(py, vec![0i32]);
+    drop(a.try_readonly().map_err(|e| array_type_error(py, format!("numpy: {e}")))?);
+    drop(a.try_readwrite().map_err(|e| array_type_error(py, format!("numpy: {e}")))?);
+    let b = PyArray1::from_vec(py, vec![0i64]);
+    drop(b.try_readonly().map_err(|e| array_type_error(py, format!("numpy: {e}")))?);
+    let _ = PyArray1::from_vec(py, vec![0u32]);
+    let _ = zeros::<PyArray2<i32>>(py, &[1, 1])?;
+    Ok(())
 }
 
 pub(crate) fn page_array<'py>(py: Python<'py>, pages: &[PageId]) -> Bound<'py, PyArray1<i32>> {

@@ -3,7 +3,10 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
-use super::array::{count, ints, table, zeros, Int};
+use std::borrow::Cow;
+
+use super::alloc::DETACH_MIN;
+use super::array::{count, detachable, ints, table, zeros, Int};
 use super::error::{array_type_error, to_py};
 use crate::batch;
 
@@ -61,7 +64,7 @@ fn page_table<'py>(
         Some(o) => table(&o, "out")?.0.clone(),
         None => {
             let width = match &max_pages {
-                Some(m) => count("max_pages", m.0)?,
+                Some(m) => count("max_pages", m)?,
                 None => refs.iter().map(|r| r.len()).max().unwrap_or(0),
             };
             zeros::<PyArray2<i32>>(py, &[refs.len(), width])?
@@ -69,10 +72,10 @@ fn page_table<'py>(
     };
     let width = out.dims()[1];
     if let Some(m) = max_pages {
-        if count("max_pages", m.0)? != width {
+        if count("max_pages", &m)? != width {
             return Err(to_py(batch::BatchError::Length {
                 what: "out columns (max_pages)",
-                expected: m.0 as usize,
+                expected: m.value as usize,
                 got: width,
             }));
         }
@@ -104,7 +107,7 @@ fn pages_needed<'py>(
     let v = batch::pages_needed(
         &p.lens("prefix_lens")?,
         &s.lens("seq_lens")?,
-        count("page_size", page_size.0)?,
+        count("page_size", &page_size)?,
     )
     .map_err(to_py)?;
     Ok(PyArray1::from_vec(py, v))
@@ -131,7 +134,7 @@ fn assign_pages(
         s.lens("seq_lens")?,
         n.pages("new_pages")?,
     );
-    let ps = count("page_size", page_size.0)?;
+    let ps = count("page_size", &page_size)?;
     let mut w = t
         .try_readwrite()
         .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
@@ -158,7 +161,7 @@ fn extend_slots<'py>(
         ints(seq_lens, "seq_lens")?,
     );
     let (p, s) = (p.lens("prefix_lens")?, s.lens("seq_lens")?);
-    let ps = count("page_size", page_size.0)?;
+    let ps = count("page_size", &page_size)?;
     let total = batch::num_new_tokens(&p, &s).map_err(to_py)?;
     // (before the output exists: a request the table cannot hold allocates nothing)
     batch::check_width(Some(&p), &s, width, ps).map_err(to_py)?;
@@ -169,7 +172,21 @@ fn extend_slots<'py>(
     let tab = r
         .as_slice()
         .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    write1(&out, |o| batch::extend_slots(tab, width, &p, &s, ps, o))?;
+    // A long prefill releases the GIL, its inputs copied first (a thread may write them); the
+    // output is written in place: `out` must not be used by another thread during the call.
+    let long = total >= DETACH_MIN;
+    let (tab, p, s) = (
+        detachable(Cow::Borrowed(tab), long)?,
+        detachable(p, long)?,
+        detachable(s, long)?,
+    );
+    write1(&out, |o| {
+        if long {
+            py.detach(|| batch::extend_slots(&tab, width, &p, &s, ps, o))
+        } else {
+            batch::extend_slots(&tab, width, &p, &s, ps, o)
+        }
+    })?;
     Ok(out)
 }
 
@@ -186,7 +203,7 @@ fn decode_slots<'py>(
     let (t, rows, width) = table(page_table, "page_table")?;
     let s = ints(seq_lens, "seq_lens")?;
     let s = s.lens("seq_lens")?;
-    let ps = count("page_size", page_size.0)?;
+    let ps = count("page_size", &page_size)?;
     let out = out1(py, out, rows)?;
     let r = t
         .try_readonly()

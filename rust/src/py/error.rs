@@ -71,16 +71,20 @@ fn out_of_pages(msg: String, requested: usize, free: usize, evictable: usize) ->
 fn alloc_err(e: AllocError, msg: String) -> PyErr {
     match e {
         AllocError::OutOfPages { requested, free, evictable } => out_of_pages(msg, requested, free, evictable),
-        AllocError::ZeroPages | AllocError::ZeroPageSize | AllocError::TooManySlots { .. } | AllocError::Negative { .. } => {
-            InvalidArgumentError::new_err(msg)
-        }
+        AllocError::ZeroPages
+        | AllocError::ZeroPageSize
+        | AllocError::TooManySlots { .. }
+        | AllocError::Negative { .. }
+        | AllocError::TooLarge { .. } => InvalidArgumentError::new_err(msg),
+        AllocError::NoMemory { .. } => PyMemoryError::new_err(msg),
         AllocError::PaddingPage
         | AllocError::OutOfRange { .. }
         | AllocError::NotAllocated { .. }
         | AllocError::Duplicate { .. }
         | AllocError::OnlyCached { .. }
         | AllocError::AlreadyCached { .. }
-        | AllocError::RefOverflow { .. } => PageError::new_err(msg),
+        | AllocError::RefOverflow { .. }
+        | AllocError::Reused { .. } => PageError::new_err(msg),
     }
 }
 

@@ -11,6 +11,8 @@ mod sizing;
 
 #[pymodule(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // (rust-numpy's state first: built lazily, a pending Ctrl-C could make it panic mid-call)
+    array::init(m.py())?;
     error::register(m)?;
     sizing::register(m)?;
     alloc::register(m)?;

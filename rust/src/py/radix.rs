@@ -8,22 +8,27 @@ use std::borrow::Cow;
 use std::sync::{Mutex, OnceLock};
 
 use numpy::PyArray1;
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-use super::alloc::{guard, PyPageAllocator, Shared};
-use super::array::{count, ints, page_array, Int};
+use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
+use super::array::{count, detachable, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
-use crate::alloc::AllocError;
+use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
-/// A handle to a radix node, from `match_prefix`; pass it to `lock` / `unlock`.
+/// An opaque handle to a cache node, from `match_prefix`; hashable, comparable.
+///
+/// It stays valid while the node exists (later splits and inserts keep it valid); after the node is
+/// evicted or the cache reset, using it raises `StaleNodeError`.
 #[pyclass(name = "RadixNode", module = "kvpool._core", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub(crate) struct PyRadixNode(Handle);
 
 #[pymethods]
 impl PyRadixNode {
+    /// `RadixNode(slot)`.
     fn __repr__(&self) -> String {
         format!("RadixNode({})", self.0.node().get())
     }
@@ -56,10 +61,7 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
         b.bytes(by.as_bytes());
     } else if let Ok(i) = obj.cast::<PyInt>() {
         int(b, i)?;
-    } else if let Ok(i) = obj
-        .call_method0("__index__")
-        .and_then(|v| v.cast_into::<PyInt>().map_err(PyErr::from))
-    {
+    } else if let Some(i) = index(obj)? {
         int(b, &i)?; // numpy integers
     } else {
         let ty = obj
@@ -72,6 +74,21 @@ fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyR
         )));
     }
     Ok(())
+}
+
+/// `obj.__index__()` (numpy integers), `None` for an object that is no integer (no `__index__`,
+/// or one raising TypeError); any other exception of `__index__` (KeyboardInterrupt included)
+/// propagates.
+fn index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
+    let py = obj.py();
+    let Ok(f) = obj.get_type().getattr("__index__") else {
+        return Ok(None);
+    };
+    match f.call1((obj,)) {
+        Ok(v) => Ok(v.cast_into::<PyInt>().ok()),
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
@@ -100,7 +117,44 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
     }
 }
 
-/// Radix prefix cache over a `PageAllocator` (shared with it).
+/// Radix prefix cache over token ids, at page granularity, sharing `allocator`.
+///
+/// Both objects wrap one Rust allocator: requests allocate and free through either. The cache keeps
+/// its own reference on every page it stores; `evict` drops it. A partial last page is never
+/// cached. Equal tokens in different namespaces never match.
+///
+/// Parameters
+/// ----------
+/// allocator : PageAllocator
+///     The allocator whose pages the cache stores.
+/// page_size : int, optional
+///     Must equal `allocator.page_size` (the default).
+///
+/// Notes
+/// -----
+/// Threading: a cache may be shared by threads. Each call takes the cache's mutex (then the
+/// allocator's) and is atomic, so calls on one cache run one at a time; calls on different caches,
+/// and Python code in other threads, run alongside the long ones: `match_prefix` and `insert` of
+/// 16,384 tokens or more, `evict` of as many, `alloc` of 16,384 pages or more, `reset`,
+/// `check_invariants` and `leaf_paths` release the GIL (their array arguments are copied first).
+/// Sequences of calls are not atomic: another thread may evict the node `match_prefix` returned
+/// before `lock` takes it (`StaleNodeError`: treat it as a miss and match again), or take the pages
+/// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
+/// may call into kvpool at any time.
+///
+/// Examples
+/// --------
+/// >>> import numpy as np, kvpool
+/// >>> a = kvpool.PageAllocator(8, 2)
+/// >>> c = kvpool.RadixCache(a)
+/// >>> tokens = np.array([5, 6, 7, 8, 9], dtype=np.int32)
+/// >>> pages = c.alloc(3)
+/// >>> c.insert(tokens, pages)  # caches the 2 whole pages; returns tokens already present
+/// 0
+/// >>> a.free(pages)  # the request's references; the cache keeps its own
+/// >>> cached, node, n = c.match_prefix(tokens)
+/// >>> cached.tolist(), n
+/// ([1, 2], 4)
 #[pyclass(name = "RadixCache", module = "kvpool._core", frozen)]
 pub(crate) struct PyRadixCache {
     alloc: Shared,
@@ -111,20 +165,62 @@ pub(crate) struct PyRadixCache {
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
 type PathPair<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 
+impl PyRadixCache {
+    /// Runs `f` with the cache and then the allocator locked, as [`with_lock`] does for one
+    /// (short work keeps the GIL only when both locks are free now).
+    fn with_both<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut RadixCache, &mut PageAllocator) -> R + Send,
+    ) -> R {
+        if !long {
+            if let Some(mut c) = try_guard(&self.cache) {
+                if let Some(mut a) = try_guard(&self.alloc) {
+                    return f(&mut c, &mut a);
+                }
+            }
+        }
+        py.detach(|| f(&mut guard(&self.cache), &mut guard(&self.alloc)))
+    }
+
+    /// `alloc` / `try_alloc`: `None` when out of pages and `soft`.
+    fn take<'py>(
+        &self,
+        py: Python<'py>,
+        n: &Int,
+        soft: bool,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let n = count("n", n)?;
+        let r = self.with_both(py, n >= DETACH_MIN, |c, a| {
+            let pages = c.alloc_i32(a, n)?;
+            let mut gens = Vec::new();
+            a.grant(&pages, &mut gens);
+            Ok::<_, RadixError>((pages, gens))
+        });
+        match r {
+            Ok((pages, gens)) => {
+                let tag = self.allocator.get().tag;
+                hand_out(py, &self.alloc, tag, pages, gens).map(Some)
+            }
+            Err(RadixError::Page(AllocError::OutOfPages { .. })) if soft => Ok(None),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+}
+
 #[pymethods]
 impl PyRadixCache {
     #[new]
     #[pyo3(signature = (allocator, page_size=None))]
     fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<Int>) -> PyResult<Self> {
+        let py = allocator.py();
         let alloc = allocator.get().inner.clone();
-        let cache = {
-            let a = guard(&alloc);
-            let ps = page_size
-                .map(|p| count("page_size", p.0))
-                .transpose()?
-                .unwrap_or(a.page_size());
-            RadixCache::new(&a, ps).map_err(to_py)?
-        };
+        let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
+        let cache = with_lock(py, &alloc, false, |a| {
+            RadixCache::new(a, ps.unwrap_or(a.page_size()))
+        })
+        .map_err(to_py)?;
         Ok(Self {
             alloc,
             allocator: allocator.unbind(),
@@ -132,6 +228,24 @@ impl PyRadixCache {
         })
     }
 
+    /// Longest cached page-aligned prefix of `tokens`.
+    ///
+    /// Parameters
+    /// ----------
+    /// tokens : numpy.ndarray
+    ///     1-D int32 or int64 token ids.
+    /// namespace : None, int, str, bytes or (nested) tuple of those
+    ///     Keys separate trees, e.g. `(("lora", adapter_id), ("salt", cache_salt))`. Values are
+    ///     tag-encoded, so `("lora", 1)` and `("salt", "1")` (or `1` and `"1"`) never collide; values
+    ///     equal in Python (`1 == True`) are one namespace.
+    ///
+    /// Returns
+    /// -------
+    /// tuple
+    ///     `(pages, node, matched_len)`: the page ids (int32, shape `(matched_len // page_size,)`),
+    ///     a handle to the node where the match ends (lock it to keep the pages), the matched length
+    ///     in tokens. A match ending inside an edge splits it there. Takes no lock; updates LRU times
+    ///     and hit/miss counters.
     #[pyo3(signature = (tokens, namespace=None))]
     fn match_prefix<'py>(
         &self,
@@ -142,16 +256,37 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
         let tokens = arr.tokens("tokens")?;
-        let mut c = guard(&self.cache);
-        let mut pages: Vec<i32> = Vec::with_capacity(tokens.len() / c.page_size());
-        let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
-        drop(c);
+        let long = tokens.len() >= DETACH_MIN;
+        let tokens = detachable(tokens, long)?;
+        let (pages, node, len) = with_lock(py, &self.cache, long, |c| {
+            let mut pages = try_vec::<i32>(tokens.len() / c.page_size(), || {
+                format!("the pages of {} tokens", tokens.len())
+            })?;
+            let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
+            Ok::<_, AllocError>((pages, node, len))
+        })
+        .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
+    /// Caches the whole pages of `tokens`; returns how many tokens were already cached.
+    ///
+    /// `pages` has one id per page of `tokens` (`len(tokens) // page_size`, or one more for the
+    /// partial last page, which is not cached). The cache takes a reference on the pages of the part
+    /// not cached yet; the others stay the caller's, who frees its own references as usual. `pages`
+    /// may also be a tuple or list of 1-D arrays standing for their concatenation, e.g.
+    /// `(matched_pages, new_pages)`: the same result, without building the concatenated array.
+    ///
+    /// Raises
+    /// ------
+    /// InvalidArgumentError
+    ///     Mismatched lengths, a token beyond int32.
+    /// PageError
+    ///     A bad page id, or a page of the new part that is free, repeated or already cached.
     #[pyo3(signature = (tokens, pages, namespace=None))]
     fn insert(
         &self,
+        py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
@@ -165,75 +300,113 @@ impl PyRadixCache {
         } else if let Ok(list) = pages.cast::<PyList>() {
             list.iter().collect()
         } else {
-            let p = ints(pages, "pages")?;
-            let (toks, pages) = (t.tokens("tokens")?, p.pages("pages")?);
-            let mut c = guard(&self.cache);
-            return c
-                .insert(&mut guard(&self.alloc), &ns, &toks, &pages)
-                .map_err(to_py);
+            vec![pages.clone()]
         };
+        let single = items.len() == 1 && pages.cast::<PyTuple>().is_err() && pages.cast::<PyList>().is_err();
         let arrays = items
             .iter()
             .enumerate()
             // The error names the part (rare path: the name is only built then).
-            .map(|(i, a)| ints(a, "pages").or_else(|_| ints(a, &format!("pages[{i}]"))))
+            .map(|(i, a)| match ints(a, "pages") {
+                Err(_) if !single => ints(a, &format!("pages[{i}]")),
+                r => r,
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let toks = t.tokens("tokens")?;
         let parts = arrays
             .iter()
             .map(|a| a.pages("pages"))
             .collect::<PyResult<Vec<_>>>()?;
+        let long = toks.len() + parts.iter().map(|p| p.len()).sum::<usize>() >= DETACH_MIN;
+        let toks = detachable(toks, long)?;
+        let parts = parts
+            .into_iter()
+            .map(|p| detachable(p, long))
+            .collect::<PyResult<Vec<_>>>()?;
         let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
-        let mut c = guard(&self.cache);
-        c.insert_parts(&mut guard(&self.alloc), &ns, &toks, &parts)
+        self.with_both(py, long, |c, a| c.insert_parts(a, &ns, &toks, &parts))
             .map_err(to_py)
     }
 
-    fn lock(&self, node: &PyRadixNode) -> PyResult<()> {
-        guard(&self.cache).lock(node.0).map_err(to_py)
+    /// Protects the node and its path to the root from eviction (counted).
+    ///
+    /// Raises
+    /// ------
+    /// StaleNodeError
+    ///     The node was evicted (e.g. by another thread between `match_prefix` and `lock`: treat it
+    ///     as a miss), the cache was reset, or the handle is another cache's.
+    fn lock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        let h = node.0;
+        with_lock(py, &self.cache, false, |c| c.lock(h)).map_err(to_py)
     }
 
-    fn unlock(&self, node: &PyRadixNode) -> PyResult<()> {
-        guard(&self.cache).unlock(node.0).map_err(to_py)
+    /// Releases one `lock` of this very node.
+    ///
+    /// Raises
+    /// ------
+    /// LockError
+    ///     The node holds no lock of its own.
+    /// StaleNodeError
+    ///     The node is gone.
+    fn unlock(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        let h = node.0;
+        with_lock(py, &self.cache, false, |c| c.unlock(h)).map_err(to_py)
     }
 
-    fn evict(&self, num_tokens: Int) -> PyResult<usize> {
-        let n = count("num_tokens", num_tokens.0)?;
-        let mut c = guard(&self.cache);
-        c.evict(&mut guard(&self.alloc), n).map_err(to_py)
+    /// Evicts least-recently-used unlocked leaves (then their parents) until `num_tokens` tokens
+    /// left the cache or nothing evictable is left; returns the tokens evicted (whole nodes, so
+    /// possibly more than asked).
+    fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
+        let n = count("num_tokens", &num_tokens)?;
+        self.with_both(py, n >= DETACH_MIN, |c, a| c.evict(a, n))
+            .map_err(to_py)
     }
 
+    /// Allocates `n` pages, evicting LRU entries first when fewer are free.
+    ///
+    /// Raises
+    /// ------
+    /// OutOfPagesError
+    ///     Not even evicting everything evictable would free enough; nothing changed.
+    /// KeyboardInterrupt
+    ///     Ctrl-C during the call: the pages are given back (entries it evicted stay evicted).
     fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let n = count("n", n.0)?;
-        let mut c = guard(&self.cache);
-        let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
-        Ok(PyArray1::from_vec(py, pages))
+        // (never None: only `soft` turns out-of-pages into None)
+        self.take(py, &n, false)?
+            .ok_or_else(|| InvalidArgumentError::new_err("unreachable"))
     }
 
+    /// As `alloc`, but returns None instead of raising `OutOfPagesError`.
     fn try_alloc<'py>(
         &self,
         py: Python<'py>,
         n: Int,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        let n = count("n", n.0)?;
-        let mut c = guard(&self.cache);
-        match c.alloc_i32(&mut guard(&self.alloc), n) {
-            Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
-            Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
-            Err(e) => Err(to_py(e)),
-        }
+        self.take(py, &n, true)
     }
 
-    fn reset(&self) -> PyResult<()> {
-        let mut c = guard(&self.cache);
-        c.reset(&mut guard(&self.alloc)).map_err(to_py)
+    /// Empties the cache and zeroes the counters; every handle becomes stale.
+    ///
+    /// Raises
+    /// ------
+    /// CacheBusyError
+    ///     A lock is held.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_both(py, true, |c, a| c.reset(a)).map_err(to_py)
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        let c = guard(&self.cache);
-        c.check_invariants(&guard(&self.alloc)).map_err(to_py)
+    /// Checks the tree's structure against the allocator (O(tree), for tests).
+    ///
+    /// Raises
+    /// ------
+    /// CacheCorruptError
+    ///     An invariant is broken (a bug in kvpool).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.with_both(py, true, |c, a| c.check_invariants(a))
+            .map_err(to_py)
     }
 
+    /// Every root-to-leaf path of a namespace as (tokens, pages) int32 arrays, for tests and debugging.
     #[pyo3(signature = (namespace=None))]
     fn leaf_paths<'py>(
         &self,
@@ -241,54 +414,60 @@ impl PyRadixCache {
         namespace: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<PathPair<'py>>> {
         let ns = self::namespace(namespace)?;
-        let paths = guard(&self.cache).leaf_paths(&ns);
+        let paths = with_lock(py, &self.cache, true, |c| c.leaf_paths(&ns));
         Ok(paths
             .into_iter()
             .map(|(t, p)| (PyArray1::from_vec(py, t), page_array(py, &p)))
             .collect())
     }
 
+    /// The shared allocator.
     #[getter]
     fn allocator(&self, py: Python<'_>) -> Py<PyPageAllocator> {
         self.allocator.clone_ref(py)
     }
+    /// Tokens per page.
     #[getter]
-    fn page_size(&self) -> usize {
-        guard(&self.cache).page_size()
+    fn page_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.page_size())
     }
+    /// Cached tokens no lock protects.
     #[getter]
-    fn evictable_size(&self) -> usize {
-        guard(&self.cache).evictable_size()
+    fn evictable_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.evictable_size())
     }
+    /// Cached tokens on locked paths.
     #[getter]
-    fn protected_size(&self) -> usize {
-        guard(&self.cache).protected_size()
+    fn protected_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.protected_size())
     }
+    /// All cached tokens (`evictable_size + protected_size`).
     #[getter]
-    fn total_size(&self) -> usize {
-        guard(&self.cache).total_size()
+    fn total_size(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.total_size())
     }
+    /// Tokens `match_prefix` served from the cache.
     #[getter]
-    fn hit_tokens(&self) -> u64 {
-        guard(&self.cache).hit_tokens()
+    fn hit_tokens(&self, py: Python<'_>) -> u64 {
+        with_lock(py, &self.cache, false, |c| c.hit_tokens())
     }
+    /// Tokens asked of `match_prefix` and not served (partial last pages included).
     #[getter]
-    fn miss_tokens(&self) -> u64 {
-        guard(&self.cache).miss_tokens()
+    fn miss_tokens(&self, py: Python<'_>) -> u64 {
+        with_lock(py, &self.cache, false, |c| c.miss_tokens())
     }
+    /// Nodes holding tokens.
     #[getter]
-    fn num_nodes(&self) -> usize {
-        guard(&self.cache).num_nodes()
+    fn num_nodes(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.num_nodes())
     }
 
-    fn __repr__(&self) -> String {
-        let c = guard(&self.cache);
-        format!(
-            "RadixCache(page_size={}, total_size={}, protected_size={})",
-            c.page_size(),
-            c.total_size(),
-            c.protected_size()
-        )
+    /// `RadixCache(page_size=..., total_size=..., protected_size=...)`.
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let (ps, total, protected) = with_lock(py, &self.cache, false, |c| {
+            (c.page_size(), c.total_size(), c.protected_size())
+        });
+        format!("RadixCache(page_size={ps}, total_size={total}, protected_size={protected})")
     }
 }
 
