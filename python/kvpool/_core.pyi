@@ -163,7 +163,7 @@ def plan(
     budget: int | None = None,
     num_tokens: int | None = None,
     context_len: int = 8192,
-    chunked_prefill_size: int | None = 8192,
+    chunked_prefill_size: int | None = ...,  # 8192
     num_draft_tokens: int = 0,
 ) -> Plan: ...
 
