@@ -43,11 +43,6 @@ CODE = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    reason="issue 18 point 5: Plan.request_bytes is O(layers x buffers) in rust/src/sizing.rs; "
-    "the fix belongs to the layout/sizing rewrite (branch groups)",
-    strict=False,
-)
 def test_request_bytes_at_65536_layers_is_linear():
     env = dict(os.environ, PYTHONPATH=PKG_ROOT)
     try:
