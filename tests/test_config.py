@@ -179,3 +179,12 @@ def test_per_kind_head_counts_are_refused(patch, name):
     # the same counts as the full layers are no difference
     same = {"swa_num_key_value_heads": 8, "swa_num_attention_heads": 64}
     assert ModelSpec.from_dict({**bundled("openai/gpt-oss-20b"), **same}).num_kv_heads == 8
+
+
+def test_huge_linear_attention_dims_are_refused_naming_the_field():
+    # 2^40-wide heads would overflow the state bytes later (a bare OverflowError in size_for)
+    cfg = json.loads(json.dumps(kvpool.ModelSpec.from_pretrained("Qwen/Qwen3.5-27B").config))
+    scope = cfg.get("text_config", cfg)
+    scope["linear_key_head_dim"] = 2**40
+    with pytest.raises(kvpool.ModelConfigError, match="linear_key_head_dim"):
+        kvpool.ModelSpec.from_dict(cfg)

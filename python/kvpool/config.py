@@ -627,6 +627,9 @@ def _model_dtype(f: _Fields, override: str | None) -> tuple[str, str]:
     return d, "config"
 
 
+_MAX_LINEAR_DIM = 1 << 16
+
+
 def _linear_attention(f: _Fields) -> dict[str, Any]:
     raw = f.get("mamba_ssm_dtype", "float32")
     ssm_dtype = _DTYPE_NAMES.get(str(raw).lower())
@@ -639,6 +642,11 @@ def _linear_attention(f: _Fields) -> dict[str, Any]:
         dims[name] = f.int(name)
         if dims[name] == 0:
             raise ModelConfigError(f"`{name}` must be positive, got 0")
+        # (state bytes multiply four of these: bounded, they cannot overflow 64 bits)
+        if dims[name] > _MAX_LINEAR_DIM:
+            raise ModelConfigError(
+                f"`{name}` = {dims[name]} exceeds {_MAX_LINEAR_DIM}; no real model is that large"
+            )
     kh, vh = dims["linear_num_key_heads"], dims["linear_num_value_heads"]
     if vh % kh:
         # Gated DeltaNet repeats each Q/K head over num_value_heads / num_key_heads V heads
