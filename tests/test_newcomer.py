@@ -190,3 +190,23 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path):
     assert r.returncode == 2
     assert "pip install 'kvpool[plot]'" in " ".join(r.stderr.split())
     assert not (tmp_path / "x.png").exists()
+
+
+# ------------------------------------------------------------------ point 9
+def test_cli_requests_column_is_requests_fit_and_docstrings_say_so(capsys):
+    # gpt-oss-20b alternates sliding (window 128) and full layers: the two counts differ
+    plan = kvpool.size_for("openai/gpt-oss-20b", "bf16", 0.9, gpu="H200")
+    assert plan.requests_fit(8192) < plan.budget_bytes // plan.request_bytes(8192)
+    assert main(["size", "openai/gpt-oss-20b", "--gpu", "H200", "--kv-cache-dtype", "bf16"]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("│ bf16"))
+    assert row.split("│")[5].strip() == f"{plan.requests_fit(8192):,}"
+    assert "kvpool size" in kvpool.Plan.requests_fit.__doc__
+    assert "requests_fit" in kvpool.Plan.request_bytes.__doc__
+
+
+def test_test_stages_say_what_they_deselect_and_readme_warns_of_cuda_wheels():
+    stages = (ROOT / "scripts" / "test").read_text()
+    last_echo = [x for x in stages.splitlines() if x.startswith("echo ")][-1]
+    assert "GPU and slow tests deselected" in last_echo and "-m gpu" in last_echo
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "CUDA wheels, about 3 GB" in readme

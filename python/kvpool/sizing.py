@@ -135,12 +135,19 @@ class Plan:
         Full layers hold ``ceil(n / page_size)`` pages; sliding-window layers are counted as a
         windowed pool holds them: ``min(n, window)`` tokens rounded up to whole pages, plus one
         page when ``page_size > 1``. Linear-attention state is not included (see
-        :meth:`linear_state_bytes`).
+        :meth:`linear_state_bytes`). What a windowed pool would hold, not what this pool stores
+        per request; :meth:`requests_fit` (the CLI's ``requests``) counts the latter.
         """
         return self._core.request_bytes(_int("n", n))
 
     def requests_fit(self, context_len: int) -> int:
-        """Requests of ``context_len`` tokens this pool holds at once (whole pages each)."""
+        """Requests of ``context_len`` tokens this pool holds at once (whole pages each).
+
+        Every layer counts at the full context, as this pool stores sliding-window layers too;
+        this is the ``requests`` column of ``kvpool size`` (and ``requests_fit`` of its
+        ``--json``). For sliding-window models it is below
+        ``budget_bytes // request_bytes(context_len)``, which counts windowed layers.
+        """
         pages = -(-_int("context_len", context_len, minimum=1) // self.page_size)
         return self.num_pages // pages
 
