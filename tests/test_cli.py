@@ -69,12 +69,12 @@ def test_import_and_size_without_torch():
 
 @pytest.mark.parametrize("args, text", [
     (["--total-memory", "inf"], "GiB"),
-    (["--total-memory", "16", "--page-size", "99999999999999999999"], "page_size"),
+    (["--total-memory", "16", "--page-size", "99999999999999999999"], "--page-size"),
     (["--total-memory", "16", "--context-len", "0"], "context-len"),
     # found by the user review of 2026-11-29: these printed the SGLang lines before failing
     # (context), or said ">= 0" for a page size whose minimum is 1
     (["--total-memory", "16", "--context-len", str(1 << 64)], "--context-len must be in"),
-    (["--total-memory", "16", "--page-size", "-1"], "`page_size` must be >= 1, got -1"),
+    (["--total-memory", "16", "--page-size", "-1"], "`--page-size` must be >= 1, got -1"),
 ])
 def test_cli_bad_numbers_exit_2(args, text, capsys):
     with pytest.raises(SystemExit) if args[1] == "inf" else _nullcontext():

@@ -138,7 +138,7 @@ def dual_forward(model: Llama, pool, ids: torch.Tensor, step: Step, tag: str, ou
     errs = []
     bound = NOISE.get(pool.plan.dtype, NOISE_DEFAULT)
     for i in range(model.num_layers):
-        q, k, v = model._qkv(i, h, step.positions)
+        q, k, v = model.qkv(i, h, step.positions)
         pool.write(i, step.out_loc, k, v)
         o_t = fn(i, q, plan=plan, backend="triton", **kw)
         o_r = fn(i, q, backend="torch", **ref_kw, **kw)
@@ -157,7 +157,7 @@ def dual_forward(model: Llama, pool, ids: torch.Tensor, step: Step, tag: str, ou
                 "positions": step.positions.cpu(), "sm_scale": model.scale,
                 "out_triton": o_t.cpu(), "out_torch": o_r.cpu(), "rel_err": err,
             }, out / f"repro_{tag}.pt")  # fmt: skip
-        h = model._finish_layer(i, h, o_r)
+        h = model.finish_layer(i, h, o_r)
     return errs
 
 

@@ -27,6 +27,7 @@ from kvpool._core import (
     page_table,
     pages_needed,
 )
+from kvpool._version import __version__ as __version__
 from kvpool.config import ModelSpec
 from kvpool.sizing import KV_DTYPES, Plan, compare, size_for
 

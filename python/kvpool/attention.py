@@ -39,10 +39,9 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from kvpool import formats
 from kvpool._args import as_index
+from kvpool._torch import torch
 
 if TYPE_CHECKING:
     from kvpool.pool import LayerView

@@ -1,7 +1,8 @@
 """``kvpool`` command line: ``kvpool size MODEL ...`` and ``kvpool models``.
 
-``kvpool size`` prints SGLang's allocation line (``KV Cache is allocated. dtype: ..., #tokens: N,
-K size: X GB, V size: Y GB``; GB there is GiB) and a table across KV dtypes: tokens, capacity vs
+``kvpool size`` prints, per dtype, the allocation line SGLang would log for a pool of that size
+(``SGLang would log: KV Cache is allocated. dtype: ..., #tokens: N, K size: X GB, V size: Y GB``;
+GB there is GiB; nothing is allocated) and a table across KV dtypes: tokens, capacity vs
 BF16, and how many requests of ``--context-len`` tokens fit. GiB = 2^30 bytes everywhere.
 
 With ``--kv-cache-dtype all`` (the default) a dtype that cannot be sized for the model (FP4 with
@@ -9,6 +10,8 @@ head dims that are not multiples of 16, a budget too small for its pages) gets a
 and a line saying why after the table (``--json``: an entry with ``error`` and ``error_type``);
 the others are listed and the exit status is 0. Only when no dtype can be sized does the command
 fail, with the first dtype's error, as a single requested dtype that cannot be sized does.
+Errors name the flags and GiB (``kvpool._cli_errors``); ``--plot FILE.png`` draws the table
+(:mod:`kvpool.plot`, needs the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import kvpool
+from kvpool._cli_errors import for_cli
 from kvpool._core import BudgetTooSmallError, KvDtypeError, LayoutError
 from kvpool.config import bundled_models
 from kvpool.gpus import GPUS
@@ -50,6 +54,7 @@ def _weights(text: str) -> int | str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="KV-cache pool sizing and tools")
+    p.add_argument("--version", action="version", version=f"kvpool {kvpool.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("size", help="how many tokens/requests fit, per KV dtype")
     s.add_argument(
@@ -65,19 +70,24 @@ def _parser() -> argparse.ArgumentParser:
         "--mem-fraction-static",
         type=float,
         default=0.9,
-        help="fraction of device memory for weights + KV pool (SGLang's flag; default 0.9)",
+        help="fraction of device memory for weights + KV pool, in (0, 1] (SGLang's flag; "
+        "default 0.9)",
     )
     s.add_argument("--gpu", help=f"GPU by name: {', '.join(GPUS)}")
-    s.add_argument("--total-memory", type=_gib, help="GiB free before loading weights")
-    s.add_argument("--available-memory", type=_gib, help="GiB free after loading weights")
+    s.add_argument("--total-memory", type=_gib, metavar="GIB",
+                   help="device memory free before loading weights, in GiB (2^30 bytes)")
+    s.add_argument("--available-memory", type=_gib, metavar="GIB",
+                   help="device memory free after loading weights, in GiB (2^30 bytes)")
     s.add_argument(
         "--weights",
         type=_weights,
         default=None,
-        help="weight GiB of the whole model, or auto (checkpoint index / estimate)",
+        metavar="GIB|auto",
+        help="weights of the whole model in GiB, or auto (checkpoint index / estimate)",
     )
-    s.add_argument("--page-size", type=int, default=1)
-    s.add_argument("--tp-size", type=int, default=1)
+    s.add_argument("--page-size", type=int, default=1, help="tokens per page (default 1)")
+    s.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks; figures are per rank (default 1)")
     s.add_argument(
         "--nvfp4-recipe",
         default="linear",
@@ -116,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
         help="draft tokens per step: sliding spaces keep their pages for rollback (default 0)",
     )
     s.add_argument("--json", action="store_true", help="print every figure as JSON")
+    s.add_argument("--plot", metavar="FILE.png",
+                   help="draw tokens and requests per dtype to FILE (pip install 'kvpool[plot]')")
     sub.add_parser("models", help="list the bundled model configs")
     return p
 
@@ -147,6 +159,10 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     results = _plans(spec, dtypes, kw, keep_going=args.kv_cache_dtype == "all")
     plans = [r for r in results if isinstance(r, Plan)]
+    if args.plot:
+        from kvpool.plot import plot_capacity
+
+        plot_capacity(args.plot, spec, plans, context, gpu=args.gpu, kw=kw)
     if args.json:
         out = []
         for r in results:
@@ -182,7 +198,7 @@ def _size(args: argparse.Namespace, console: Console) -> int:
             f"weights {b.weights / GIB:.2f} GiB per rank ({b.weights_source})"
         )
     for p in plans:
-        console.print(p.sglang_line(), highlight=False)
+        console.print(f"SGLang would log: {p.sglang_line()}", highlight=False)
     bf16 = next((p for p in plans if p.dtype == "bf16"), None)
     t = Table(title=f"KV capacity per rank ({context}-token requests)")
     for col in ("dtype", "bytes/token", "#tokens", "x vs bf16", "requests", "pool GiB"):
@@ -292,11 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(m)
             return 0
         return _size(args, console)
-    except (ValueError, MemoryError, OverflowError, TypeError) as e:
-        # ModelConfigError (a bad model file) is a ValueError. The message is escaped: it quotes
+    except (ValueError, MemoryError, OverflowError, TypeError, ImportError, OSError) as e:
+        # ModelConfigError (a bad model file) is a ValueError; ImportError: `--plot` without
+        # matplotlib; OSError: an unwritable `--plot` file. The message is escaped: it quotes
         # paths and file contents, and rich would take `[/x]` in them for markup and raise.
         Console(stderr=True, soft_wrap=True).print(
-            f"[red]error:[/] {type(e).__name__}: {escape(str(e))}", highlight=False
+            f"[red]error:[/] {type(e).__name__}: {escape(for_cli(str(e)))}", highlight=False
         )
         return 2
 

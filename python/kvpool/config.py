@@ -264,8 +264,8 @@ class ModelSpec:
         matches = [b for k, b in bundled.items() if k == key or k.split("/", 1)[1] == key]
         if len(matches) != 1:
             raise ModelConfigError(
-                f"unknown model `{name}`: not a file or directory, and not a bundled config; "
-                f"bundled: {', '.join(bundled.values())}"
+                f"unknown model `{name}`: not a file or directory, and not a bundled config "
+                "(`kvpool models` or `kvpool.config.bundled_models()` lists them)"
             )
         res = resources.files("kvpool").joinpath("models", matches[0].replace("/", "--") + ".json")
         try:

@@ -23,7 +23,7 @@ amax / (6 * 448)).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,6 +128,7 @@ def evaluate(
     *,
     page_size: int = 16,
     calib_ids: Sequence[int] | torch.Tensor | None = None,
+    on_dtype: Callable[[Fidelity], None] | None = None,
 ) -> list[Fidelity]:
     """Teacher-forced fidelity of each KV dtype on ``ids`` (see module doc).
 
@@ -142,6 +143,8 @@ def evaluate(
         Tokens per page of the pools.
     calib_ids : sequence of int, optional
         Text whose reference K/V calibrate fp8/nvfp4 scales (default: ``ids`` itself).
+    on_dtype : callable, optional
+        Called with each dtype's result as soon as it is measured (progress display).
     """
     ids_t = torch.as_tensor(ids, dtype=torch.int64)
     if ids_t.numel() < 2:
@@ -162,6 +165,8 @@ def evaluate(
         logits = teacher_forced_logits(model, pool, ids_t)
         m = metrics(ref[:-1], logits[:-1], targets)
         out.append(Fidelity(dtype, pool.plan.dtype, int(targets.numel()), **m))
+        if on_dtype is not None:
+            on_dtype(out[-1])
         del pool
     return out
 

@@ -50,7 +50,7 @@ Formats
 
 from __future__ import annotations
 
-import torch
+from kvpool._torch import torch
 
 #: Every KV dtype name :func:`quantize` accepts.
 DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")

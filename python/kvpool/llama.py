@@ -277,7 +277,19 @@ class Llama:
         cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
         return x * cos + _rotate_half(x) * sin
 
-    def _qkv(self, i: int, h: torch.Tensor, positions: torch.Tensor):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` hidden states (compute dtype) of ``[T]`` int64 token ids."""
+        return self.w["model.embed_tokens.weight"][input_ids.to(self.device)]
+
+    def qkv(
+        self, i: int, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s attention inputs of hidden states ``h [T, hidden]``.
+
+        Returns ``q [T, H_q, head_dim]`` and ``k [T, H_kv, head_dim]`` after RoPE at
+        ``positions [T]`` (the cache keeps K after RoPE) and ``v [T, H_kv, head_dim]``, in the
+        compute dtype.
+        """
         p = f"model.layers.{i}."
         x = _rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
         qkv = x @ self.w[p + "qkv"].T
@@ -287,7 +299,11 @@ class Llama:
         v = qkv[:, nq + nk :].reshape(-1, self.hkv, self.d)
         return self._rope(q, positions), self._rope(k, positions), v
 
-    def _finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s output ``[T, hidden]`` from its attention output ``attn``.
+
+        ``h`` + o_proj(``attn [T, H_q, head_dim]``), then the MLP block with its residual.
+        """
         p = f"model.layers.{i}."
         o = attn.reshape(h.shape[0], -1).to(self.dtype)
         h = h + o @ self.w[p + "self_attn.o_proj.weight"].T
@@ -325,7 +341,7 @@ class Llama:
         """
         from kvpool import attention
 
-        h = self.w["model.embed_tokens.weight"][input_ids.to(self.device)]
+        h = self.embed(input_ids)
         view0 = pool.layer(pool.layers[0])
         triton = self.attn_backend == "triton" or (self.attn_backend == "auto" and h.is_cuda)
         kw: dict[str, Any] = {"sm_scale": self.scale, "backend": self.attn_backend}
@@ -347,10 +363,10 @@ class Llama:
                     seq_lens=step.seq_lens,
                 )  # fmt: skip
         for i in range(self.num_layers):
-            q, k, v = self._qkv(i, h, step.positions)
+            q, k, v = self.qkv(i, h, step.positions)
             pool.write(i, step.out_loc, k, v)
             o = fn(i, q, **kw)
-            h = self._finish_layer(i, h, o)
+            h = self.finish_layer(i, h, o)
         return self.logits(h if all_logits else h[step.last_index])
 
     # ------------------------------------------------------------------ reference cache
@@ -378,13 +394,13 @@ class Llama:
         h = self.w["model.embed_tokens.weight"][ids]
         new_past = []
         for i in range(self.num_layers):
-            q, k, v = self._qkv(i, h, positions)
+            q, k, v = self.qkv(i, h, positions)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
             if past is not None:
                 k, v = torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1)
             new_past.append((k, v))
             o = _causal_attention(q.transpose(0, 1), k, v, self.scale)
-            h = self._finish_layer(i, h, o.transpose(0, 1))
+            h = self.finish_layer(i, h, o.transpose(0, 1))
         return self.logits(h), new_past
 
     @torch.inference_mode()

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvpool._args import as_index
+from kvpool._torch import torch
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -32,9 +32,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvpool import formats
+from kvpool._torch import torch
 
 if TYPE_CHECKING:
     from kvpool.pool import LayerView

@@ -1,0 +1,47 @@
+"""Optional dependencies, imported with an error that names the extra to install.
+
+Sizing and bookkeeping need neither torch nor matplotlib; the pool, the kernels and
+``kvpool size --plot`` do. ``pyproject.toml`` lists the extras (``torch``, ``plot``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def missing(module: str, extra: str, what: str) -> ImportError:
+    """The error for a missing optional dependency: what needs it, and the extra to install."""
+    return ImportError(
+        f"{what} needs {module}, which is not installed: pip install 'kvpool[{extra}]'"
+    )
+
+
+def require_torch() -> ModuleType:
+    """The ``torch`` module.
+
+    Raises
+    ------
+    ImportError
+        torch is missing; the message names the extra (``pip install 'kvpool[torch]'``).
+    """
+    try:
+        return importlib.import_module("torch")
+    except ImportError as e:
+        raise missing("torch", "torch", "KVPool, kvpool.attention and kvpool.write") from e
+
+
+def require_pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (writes files, needs no display).
+
+    Raises
+    ------
+    ImportError
+        matplotlib is missing; the message names the extra (``pip install 'kvpool[plot]'``).
+    """
+    try:
+        mpl = importlib.import_module("matplotlib")
+        mpl.use("Agg")
+        return importlib.import_module("matplotlib.pyplot")
+    except ImportError as e:
+        raise missing("matplotlib", "plot", "`kvpool size --plot`") from e
