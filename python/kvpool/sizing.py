@@ -232,7 +232,8 @@ class Plan:
         """Requests of ``context_len`` tokens the pool holds at once.
 
         The least over page spaces of ``(num_pages - headroom_pages) // pages per request`` and
-        the state slots, so ``requests_fit(n) * request_bytes(n) <= budget_bytes``.
+        the state slots, so ``requests_fit(n) * request_bytes(n) <= budget_bytes``. This is the
+        ``requests`` column of ``kvpool size`` (at ``--context-len``).
         """
         return self._core.requests_fit(_int("context_len", context_len, minimum=1))
 
