@@ -30,6 +30,7 @@ from kvpool.attention.checks import (
     _sm_scale,
     _use_triton,
 )
+from kvpool.attention.mla import _refuse, mla_decode
 from kvpool.attention.plans import DecodePlan, plan_decode
 from kvpool.attention.reference import reference_decode
 from kvpool.attention.variants import (
@@ -58,13 +59,17 @@ def decode(
     plan: DecodePlan | None = None,
     out: torch.Tensor | None = None,
     debug: bool = False,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over the paged cache of one layer.
 
     Parameters
     ----------
     view : LayerView
-        The layer's buffers (any KV dtype; MLA layers are not supported).
+        The layer's buffers (any KV dtype). An MLA layer (``v`` None) runs
+        :func:`kvpool.attention.mla.mla_decode`: ``q [B, H, kv_lora_rank + qk_rope_head_dim]``
+        with W_UK absorbed, ``sm_scale`` required, no ``window``/``sinks``/``softcap``, output
+        ``[B, H, kv_lora_rank]``.
     q : torch.Tensor
         ``[B, H_q, D]`` fp32/bf16/fp16, ``H_q`` a multiple of the KV heads; the query of the
         token at position ``seq_len - 1`` (its K/V already written).
@@ -92,6 +97,8 @@ def decode(
         ``1 .. max_pages * page_size`` and the page ids they read in ``0 .. num_pages - 1``
         (page 0, the padding page, serves padded requests: its contents are garbage). CPU
         tensors are always checked.
+    kv_lora_rank : int, optional
+        MLA layers only: the latent's value part (see :mod:`kvpool.attention.mla`).
 
     Returns
     -------
@@ -108,6 +115,14 @@ def decode(
         ``plan`` made for another batch or one whose kernel cannot run this layer (a Gluon plan
         on a bf16 or fp32 view, another head_dim, ...).
     """
+    if view.v is None:  # MLA: the absorbed latent kernels
+        _refuse("decode", window=window, sinks=sinks, softcap=softcap)
+        return mla_decode(
+            view, q, page_table, seq_lens, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+            backend=backend, plan=plan, out=out, debug=debug,
+        )  # fmt: skip
+    if kv_lora_rank is not None:
+        raise ValueError(f"`kv_lora_rank`: MLA layers only (layer {view.layer} stores K and V)")
     _check_view(view)
     dev = view.k.device
     _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)

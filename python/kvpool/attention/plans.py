@@ -16,6 +16,7 @@ from kvpool.attention.checks import (
     _check_view,
     _group,
 )
+from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
     _GLUON_CONFIG,
@@ -82,6 +83,9 @@ class DecodePlan:
         ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
         scale rows; else register prefetch, ``prefetch``) instead of the Triton one; the other
         kernel options are unused.
+    kernel : str
+        The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
+        ``"gluon_fp4"`` (the Gluon kernels) or ``"triton_generic"`` (``decode.decode_kernel``).
     """
 
     page_table: torch.Tensor
@@ -101,6 +105,7 @@ class DecodePlan:
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
     gluon: bool = False
+    kernel: str = "triton_generic"
 
 
 def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
@@ -161,7 +166,19 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
+        kernel="gluon_fp4" if view.dtype in _FP4 else "gluon_fp8",
     )
+
+
+def _refuse_knobs(**knobs) -> None:
+    """ValueError naming the decode knobs given that MLA plans do not take."""
+    given = [k for k, v in knobs.items() if v is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: options of the GQA decode kernels, not of the MLA kernel "
+            "(it takes num_splits, block_n, num_warps, num_stages, asm; "
+            "see kvpool.attention.mla.plan_mla_decode for block_h)"
+        )
 
 
 def plan_decode(
@@ -183,7 +200,8 @@ def plan_decode(
     maxnreg: int | None = None,
     ablate: int = 0,
     gluon: bool | None = None,
-) -> DecodePlan:
+    kv_lora_rank: int | None = None,
+) -> DecodePlan | MLADecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
 
     Parameters
@@ -250,7 +268,21 @@ def plan_decode(
         shorter than 32 tokens on the GPU; ``swap`` with ``use_dot=False``, ``prefetch`` or
         ``ablate > 1``; ``gluon=True`` where the Gluon kernel cannot run, or with a Triton
         knob. The message names the value.
+
+    An MLA layer (``v`` None) is planned by :func:`kvpool.attention.mla.plan_mla_decode`
+    (``num_splits``, ``block_n``, ``num_warps``, ``num_stages``, ``asm``, ``kv_lora_rank``
+    apply; the other knobs are refused).
     """
+    if view.v is None:
+        _refuse_knobs(
+            use_dot=use_dot, prefetch=prefetch, swap=swap, group_pad=group_pad, maxnreg=maxnreg,
+            ablate=ablate or None, gluon=gluon,
+        )  # fmt: skip
+        return plan_mla_decode(
+            view, num_q_heads, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
+            max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+            num_stages=num_stages, asm=asm,
+        )  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
@@ -387,6 +419,8 @@ class ExtendPlan:
     asm : bool
         FP4 and fp8: word-level decode with inline PTX (see :class:`DecodePlan`); on by default
         for FP4 caches, off for fp8 (slower in extend).
+    kernel : str
+        The kernel variant: ``"triton_generic"`` (``extend.extend_kernel``).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -398,6 +432,7 @@ class ExtendPlan:
     num_warps: int
     num_stages: int
     asm: bool = False
+    kernel: str = "triton_generic"
 
 
 def _extend_tiles(
@@ -437,14 +472,21 @@ def plan_extend(
     num_warps: int | None = None,
     num_stages: int | None = None,
     asm: bool | None = None,
-) -> ExtendPlan:
+    kv_lora_rank: int | None = None,
+) -> ExtendPlan | MLAExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
     Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer) and checks it
     (ValueError unless non-decreasing from 0). Tile options
     left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
-    decode path of the dtype (word-level for FP4).
+    decode path of the dtype (word-level for FP4). An MLA layer is planned by
+    :func:`kvpool.attention.mla.plan_mla_extend`.
     """
+    if view.v is None:
+        return plan_mla_extend(
+            view, num_q_heads, cu_seqlens_q, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
+            block_t=block_t, block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm,
+        )  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
