@@ -119,7 +119,9 @@ def _extend(c, heads, q_lens, backend, device="cpu", use_plan=True):
     q = _q(sum(q_lens), heads, c.d, device)
     plan = None
     if use_plan:
-        plan = attention.plan_extend(c.view, heads, cu, c.page_table, c.seq_lens)
+        plan = attention.plan_extend(
+            c.view, heads, cu, c.page_table, c.seq_lens, kv_lora_rank=c.rank
+        )
     out = attention.extend(
         c.view, q, cu, c.page_table, c.seq_lens, sm_scale=DEEPSEEK_SCALE, backend=backend,
         plan=plan, kv_lora_rank=c.rank,
