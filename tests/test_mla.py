@@ -152,9 +152,7 @@ def test_decode_dispatch_needs_sm_scale_and_refuses_gqa_options():
     with pytest.raises(ValueError, match="`sm_scale` is required for MLA layers"):
         attention.decode(c.view, q, c.page_table, c.seq_lens)
     with pytest.raises(ValueError, match="`window`, `softcap`: not supported on MLA layers"):
-        attention.decode(
-            c.view, q, c.page_table, c.seq_lens, sm_scale=0.1, window=4, softcap=30.0
-        )
+        attention.decode(c.view, q, c.page_table, c.seq_lens, sm_scale=0.1, window=4, softcap=30.0)
     with pytest.raises(ValueError, match="`q` has 32 values per head, the MLA latent 48"):
         attention.decode(
             c.view, q[..., :32], c.page_table, c.seq_lens, sm_scale=0.1, kv_lora_rank=32
