@@ -160,7 +160,7 @@ def page_table(b, ctx, page, rows, gen, dev):
 # ----------------------------------------------------------------------------- points
 
 
-def kvpool_point(bench, view, name, tp, hq, opts, b, ctx, page):
+def kvpool_point(bench, view, name, tp, hq, opts, b, ctx, page, **plan_kw):
     mla = view.v is None
     gen = torch.Generator().manual_seed(b * 7 + ctx)
     pv = LayerView(**{**view.__dict__, "page_size": page})
@@ -169,7 +169,7 @@ def kvpool_point(bench, view, name, tp, hq, opts, b, ctx, page):
     d = view.head_dim
     q = torch.randn(b, hq, d, device=bench.dev).to(torch.bfloat16)
     kw = {"kv_lora_rank": RANK if not bench.quick else d - 16} if mla else {}
-    plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw)
+    plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw, **plan_kw)
     call = dict(plan=plan, sm_scale=MLA_SCALE if mla else None, **kw)
     if not mla:
         if opts.get("sinks"):
@@ -187,7 +187,9 @@ def kvpool_point(bench, view, name, tp, hq, opts, b, ctx, page):
     if mla:
         rank = kw["kv_lora_rank"]
         rec["tflops"] = 2 * b * hq * ctx * (d + rank) / ms / 1e9
-        rec["block_h"] = plan.block_h
+        rec.update(block_h=plan.block_h, block_n=plan.block_n, warps=plan.num_warps)
+    if plan_kw:
+        rec["variant"] = plan_kw
     return rec
 
 
@@ -238,6 +240,13 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting points after")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run at tiny sizes")
+    ap.add_argument(
+        "--mla-sweep",
+        default="",
+        help="MLA tile variants first, block_h:num_warps:block_n,... (e.g. 16:4:32,32:4:32,"
+        "32:8:64,64:8:32) at --sweep-shape for the bf16/fp8_e4m3/nvfp4 caches of deepseek-v3",
+    )
+    ap.add_argument("--sweep-shape", default="64x8192")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     quick = args.quick
@@ -246,6 +255,8 @@ def main(argv=None):
         QUICK_SHAPES if quick else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     )
     t0 = time.time()
+    if args.mla_sweep and not quick:
+        sweep(bench, args)
     for name in args.models.split(","):
         tp, hq, hk, d, opts = MODELS[name]
         mla = hk == 0
@@ -283,6 +294,44 @@ def main(argv=None):
             if not quick:
                 torch.cuda.empty_cache()
     return finish(bench)
+
+
+def sweep(bench, args) -> None:
+    """MLA tile variants (records with ``variant``) before the main run: the defaults of
+    :func:`kvpool.attention.mla.plan_mla_decode` are not measured yet."""
+    b, n = map(int, args.sweep_shape.split("x"))
+    tp, hq, _, d, _ = MODELS["deepseek-v3"]
+    base = baseline_ms(bench, hq, 0, d, b, n, True)
+    for dtype in ("bf16", "fp8_e4m3", "nvfp4"):
+        view = random_view(dtype, b * n + 64, 0, d, bench.dev, True)
+        for v in args.mla_sweep.split(","):
+            bh, nw, bn = map(int, v.split(":"))
+            kw = dict(block_h=bh, num_warps=nw, block_n=bn)
+            try:
+                # (plan_decode takes no block_h: plan through plan_mla_decode's knobs)
+                rec = mla_variant_point(bench, view, tp, hq, b, n, kw)
+                rec.update(baseline_ms=base, ratio=base / rec["time_ms"])
+                bench.save(rec)
+            except Exception as e:  # noqa: BLE001
+                bench.save(dict(model="deepseek-v3", dtype=dtype, variant=kw, error=repr(e)[:300]))
+        del view
+        torch.cuda.empty_cache()
+
+
+def mla_variant_point(bench, view, tp, hq, b, n, kw) -> dict:
+    gen = torch.Generator().manual_seed(b * 7 + n)
+    pt = page_table(b, n, 16, view.k.shape[0], gen, bench.dev)
+    sl = torch.full((b,), n, dtype=torch.int32, device=bench.dev)
+    q = torch.randn(b, hq, view.head_dim, device=bench.dev).to(torch.bfloat16)
+    plan = attention.plan_mla_decode(view, hq, pt, sl, kv_lora_rank=RANK, max_seq_len=n, **kw)
+    ms = bench.time_ms(lambda: attention.mla_decode(view, q, plan=plan, sm_scale=MLA_SCALE))
+    kvb = b * n * bytes_per_token(view)
+    return dict(
+        model="deepseek-v3", tp=tp, dtype=view.dtype, page=16, B=b, L=n, q_heads=hq, kv_heads=0,
+        head_dim=view.head_dim, time_ms=ms, kv_bytes=kvb, kv_TBps=kvb / ms / 1e9,
+        kernel=plan.kernel, splits=plan.num_splits, variant=kw,
+        tflops=2 * b * hq * n * (view.head_dim + RANK) / ms / 1e9,
+    )  # fmt: skip
 
 
 def finish(bench) -> list[dict]:
