@@ -261,3 +261,36 @@ def test_mla_extend_gpu_deepseek(dtype, heads, page):
     c = Latent(dtype, [700, 64, 300], rank=512, rope=64, page=page, device="cuda")
     out, ref = _extend(c, heads, [100, 64, 1], "triton", "cuda")
     assert rel_err(out, ref) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------------- through the pool
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpret)])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_pool_decode_and_extend_dispatch_to_mla(dtype, backend):
+    """``pool.write`` then ``pool.decode`` / ``pool.extend`` on a DeepSeek-V3 layer (a CPU pool of
+    4 pages of 16): the absorbed MLA path, against the oracle over the pool's own dequantized
+    latents (``pool.dequantize``)."""
+    import kvpool
+
+    plan = kvpool.size_for("deepseek-ai/DeepSeek-V3", dtype, num_tokens=48, page_size=16)
+    pool = kvpool.KVPool(plan, device="cpu")
+    pool.set_kv_scales([0.02] * 61, [0.02] * 61)
+    gen = torch.Generator().manual_seed(5)
+    loc = torch.arange(16, 16 + 40, dtype=torch.int32)  # pages 1..3, 40 tokens
+    pool.write(3, loc, torch.randn(40, 1, 576, generator=gen))
+    pt = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    sl = torch.tensor([40], dtype=torch.int32)
+    q = torch.randn(1, 16, 576, generator=gen).to(torch.bfloat16)
+    out = pool.decode(3, q, pt, sl, sm_scale=DEEPSEEK_SCALE, backend=backend)
+    lat = pool.dequantize(3, loc)[0][:, 0].double()  # [40, 576]
+    ref = torch.softmax(q[0].double() @ lat.T * DEEPSEEK_SCALE, -1) @ lat[:, :512]
+    assert out.shape == (1, 16, 512)
+    assert rel_err(out[0], ref) < 8e-3
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    q3 = torch.randn(3, 16, 576, generator=gen).to(torch.bfloat16)
+    out = pool.extend(3, q3, cu, pt, sl, sm_scale=DEEPSEEK_SCALE, backend=backend)
+    for i, p in enumerate(range(37, 40)):
+        s = q3[i].double() @ lat[: p + 1].T * DEEPSEEK_SCALE
+        assert rel_err(out[i], torch.softmax(s, -1) @ lat[: p + 1, :512]) < 8e-3
