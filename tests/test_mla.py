@@ -196,6 +196,16 @@ def test_plans_name_the_kernel():
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     pe = attention.plan_extend(c.view, 8, cu, c.page_table, c.seq_lens, kv_lora_rank=32)
     assert pe.kernel == "mla_triton" and pe.work.tolist() == [[0, 0], [1, 0]]
+    from test_attention import Cache
+
+    gqa = Cache("fp8_e4m3", [40, 3], heads=2, d=32)  # an MLA plan on a GQA layer, and back
+    with pytest.raises(ValueError, match="`plan` is a MLADecodePlan: layer 0 needs a DecodePlan"):
+        attention.decode(gqa.view, _q(2, 4, 32), plan=p)
+    gp = attention.plan_decode(gqa.view, 4, gqa.page_table, gqa.seq_lens)
+    with pytest.raises(
+        ValueError, match="`plan` is a DecodePlan: MLA layers need an MLADecodePlan"
+    ):
+        attention.decode(c.view, _q(2, 8, c.d), plan=gp, sm_scale=0.1)
     with pytest.raises(ValueError, match="swap: options of the GQA decode kernels"):
         attention.plan_decode(c.view, 8, c.page_table, c.seq_lens, swap=True)
 

@@ -124,6 +124,10 @@ def decode(
     if kv_lora_rank is not None:
         raise ValueError(f"`kv_lora_rank`: MLA layers only (layer {view.layer} stores K and V)")
     _check_view(view)
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise ValueError(
+            f"`plan` is a {type(plan).__name__}: layer {view.layer} needs a DecodePlan"
+        )
     dev = view.k.device
     _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
     bsz, hq, d = q.shape

@@ -110,6 +110,10 @@ def extend(
     if kv_lora_rank is not None:
         raise ValueError(f"`kv_lora_rank`: MLA layers only (layer {view.layer} stores K and V)")
     _check_view(view)
+    if plan is not None and not isinstance(plan, ExtendPlan):
+        raise ValueError(
+            f"`plan` is a {type(plan).__name__}: layer {view.layer} needs an ExtendPlan"
+        )
     dev = view.k.device
     _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
     t, hq, d = q.shape

@@ -430,6 +430,8 @@ def mla_decode(
         tensors always, CUDA with ``debug``).
     """
     scale = _mla_scale(sm_scale)
+    if plan is not None and not isinstance(plan, MLADecodePlan):
+        raise ValueError(f"`plan` is a {type(plan).__name__}: MLA layers need an MLADecodePlan")
     if plan is not None:
         page_table = plan.page_table if page_table is None else page_table
         seq_lens = plan.seq_lens if seq_lens is None else seq_lens
@@ -507,6 +509,8 @@ def mla_extend(
     :func:`kvpool.attention.extend`; ``plan`` from :func:`plan_mla_extend`.
     """
     scale = _mla_scale(sm_scale)
+    if plan is not None and not isinstance(plan, MLAExtendPlan):
+        raise ValueError(f"`plan` is a {type(plan).__name__}: MLA layers need an MLAExtendPlan")
     if plan is not None:
         cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
         page_table = plan.page_table if page_table is None else page_table
