@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .decode import dequant, load_raw
 
-LOG2E = tl.constexpr(1.4426950408889634)  # (a plain global is refused by compiled Triton; the interpreter allows it)
+LOG2E = tl.constexpr(1.4426950408889634)  # (compiled Triton refuses plain globals in @jit)
 
 
 @triton.jit
