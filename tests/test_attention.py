@@ -775,7 +775,7 @@ def test_decode_gpu_gluon_fp4_ring_variants(dtype, tma, sub, monkeypatch):
     """Every FP4 ring the launcher can pick (data by cp.async, as on sm_89, or by TMA; one or two
     16-token tiles a stage) against the torch reference of the same decode call: requests ending
     mid-tile and mid-stage, splits that get no tile, and a window."""
-    monkeypatch.setattr(attention, "_GLUON_FP4_OPTIONS", (True, 0, tma, sub))
+    monkeypatch.setattr(attention.variants, "_GLUON_FP4_OPTIONS", (True, 0, tma, sub))
     lens = [1, 17, 100, 1000, 4093, 64, 33, 5]
     cache = Cache(dtype, lens, heads=8, d=128, page=16, device="cuda", heavy=True)
     gen = torch.Generator().manual_seed(3)
@@ -979,7 +979,7 @@ def test_word_decode_needs_4_byte_rows(dtype):
 def test_default_splits_wave_model(monkeypatch):
     """The split count minimizes waves x (tokens per split + half a tile); values by hand for
     132 multiprocessors: 3 programs per SM with 4 warps (396 slots), 12 with 1 warp (1,584)."""
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention.splits, "_num_sms", lambda device: 132)
     ds = attention.default_splits
     # 4 warps, B=64/8k, 128-token tiles: 512 programs. s=1: 2 waves x 8256 = 16512;
     # s=2: 3 waves x 4160 = 12480; s=3: chunk 2816 (ceil(8192/3)=2731 -> 22 tiles), 4 waves x
@@ -1231,8 +1231,8 @@ def test_plan_decode_gluon_choice(monkeypatch):
     assert "bf16 caches" in attention._gluon_unfit(Cache("bf16", [4], heads=8, d=128).view, 4)
     # as if on a GPU that fits: 4 requests x 8 KV heads = 32 programs > 16 -> Gluon, 16-token
     # tiles, splits from the wave model with 12 programs per SM
-    monkeypatch.setattr(attention, "_gluon_unfit", lambda view, group: None)
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention.plans, "_gluon_unfit", lambda view, group: None)
+    monkeypatch.setattr(attention.splits, "_num_sms", lambda device: 132)
     p = attention.plan_decode(c8.view, 32, pt, sl)
     assert (p.gluon, p.block_n, p.num_warps) == (True, 16, 1)
     # the page table's capacity (134 pages, 2,144 tokens) bounds the longest request; 32 programs
@@ -1360,7 +1360,7 @@ def test_gluon_device_checks(monkeypatch):
         attention._gluon_cuda_unfit.cache_clear()
         return attention._gluon_device_unfit(device)
 
-    monkeypatch.setattr(attention, "_interpreting", lambda: False)
+    monkeypatch.setattr(attention.variants, "_interpreting", lambda: False)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(triton, "__version__", "3.6.0")
@@ -1375,7 +1375,7 @@ def test_gluon_device_checks(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2.0")
     assert unfit() == "a ROCm GPU (the kernel is NVIDIA PTX)"
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(attention, "_interpreting", lambda: True)
+    monkeypatch.setattr(attention.variants, "_interpreting", lambda: True)
     assert unfit().startswith("a CPU tensor or the Triton interpreter")
     assert unfit(torch.device("cpu")).startswith("a CPU tensor")
     attention._gluon_cuda_unfit.cache_clear()  # leave no answer from the patched settings
@@ -1387,7 +1387,7 @@ def test_decode_gluon_plan_refusals(monkeypatch):
     import dataclasses
 
     c = Cache("fp8_e4m3", [40, 17, 3, 33], heads=8, d=128, page=16)
-    monkeypatch.setattr(attention, "_gluon_device_unfit", lambda device: None)
+    monkeypatch.setattr(attention.variants, "_gluon_device_unfit", lambda device: None)
     plan = attention.plan_decode(c.view, 32, c.page_table, c.seq_lens, gluon=True, num_splits=2)
     assert plan.gluon and plan.part_out.shape == (4, 32, 2, 128)
     q = torch.randn(4, 32, 128, dtype=torch.float16)
@@ -1456,13 +1456,12 @@ def _pretend_gpu(monkeypatch):
 
     real = attention._check_fp4_tile
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(
-        attention,
-        "_check_fp4_tile",
-        lambda view, bn: real(
-            SimpleNamespace(dtype=view.dtype, k=SimpleNamespace(is_cuda=True)), bn
-        ),
-    )
+    def guard(view, bn):
+        return real(SimpleNamespace(dtype=view.dtype, k=SimpleNamespace(is_cuda=True)), bn)
+
+    # (each launcher holds the guard: patch it where decode and extend call it)
+    monkeypatch.setattr(attention.launch_decode, "_check_fp4_tile", guard)
+    monkeypatch.setattr(attention.launch_extend, "_check_fp4_tile", guard)
 
 
 def test_reused_plan_with_16_token_tiles_refused_for_fp4_at_launch(monkeypatch):

@@ -296,12 +296,12 @@ def bench_small_parts(view, b, ctx, page, reps):
 
     try:
         for rnd in ("", "_2"):  # twice, alternating (a pool's first timing can be an outlier)
-            attention._MERGE_PDL = True
+            attention.launch_decode._MERGE_PDL = True
             parts["full_pdl" + rnd] = time_ms(full, reps)[0]
-            attention._MERGE_PDL = False
+            attention.launch_decode._MERGE_PDL = False
             parts["full_plain" + rnd] = time_ms(full, reps)[0]
     finally:
-        attention._MERGE_PDL = True
+        attention.launch_decode._MERGE_PDL = True
     if plan.num_splits > 1:
         split_only = dataclasses.replace(plan, ablate=4)
         parts["split_kernel"] = time_ms(

@@ -50,7 +50,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
         stages0, per_sm0, reg0 = DEFAULTS[0][view.dtype]
         stages = kw.pop("stages", stages0)
         cfg = (stages, kw.pop("per_sm", per_sm0), kw.pop("maxnreg", reg0))
-        attention._GLUON_FP4_OPTIONS = (
+        attention.variants._GLUON_FP4_OPTIONS = (
             kw.pop("head_fast", True),
             kw.pop("ablate", 0),
             kw.pop("tma", DEFAULTS[2][2]),
@@ -59,7 +59,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
         try:
             attention._GLUON_CONFIG[view.dtype] = cfg
             if dec is not None:
-                attention._GLUON_FP4_DEC = dec
+                attention.variants._GLUON_FP4_DEC = dec
             plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw)
             out = torch.empty(b, hq, ba.D, dtype=torch.bfloat16, device="cuda")
             attention.decode(pv, q, plan=plan, out=out)
@@ -78,7 +78,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
                 plan=kw,
                 stages=stages,
                 config=cfg,
-                probe=attention._GLUON_FP4_OPTIONS,
+                probe=attention.variants._GLUON_FP4_OPTIONS,
                 splits=plan.num_splits,
                 block_n=plan.block_n,
                 gluon=plan.gluon,
@@ -89,7 +89,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
         except Exception as e:  # noqa: BLE001
             rec(tag=tag, dtype=view.dtype, B=b, ctx=ctx, dec=dec, plan=kw, error=repr(e)[:400])
     attention._GLUON_CONFIG.update(DEFAULTS[0])
-    attention._GLUON_FP4_DEC, attention._GLUON_FP4_OPTIONS = DEFAULTS[1:]
+    attention.variants._GLUON_FP4_DEC, attention.variants._GLUON_FP4_OPTIONS = DEFAULTS[1:]
 
 
 def loads_main():
@@ -191,8 +191,9 @@ def headmajor_main():
         # strides (16, 8, 1): a head's 8 scale bytes contiguous, as _gluon_unfit checks
         pads.append(pad.as_strided((r, 1, 8), (16, 8, 1)).view(torch.float8_e4m3fn))
     hm = ba.LayerView(**{**ph.__dict__, "k_block_scale": pads[0], "v_block_scale": pads[1]})
+    # (plan_decode and decode each hold _check_view: patch both modules)
     check = attention._check_view
-    attention._check_view = lambda view: None
+    attention.plans._check_view = attention.launch_decode._check_view = lambda view: None
     try:
         for sp in (3,):
             kw = {"num_splits": sp, "gluon": True}
@@ -200,7 +201,7 @@ def headmajor_main():
                    (f"head_major_loads_sp{sp}", None, {**kw, "ablate": 1})]  # fmt: skip
             point(hm, 64 * ba.HK, 8192, 16, pts, hq=ba.HQ // ba.HK)
     finally:
-        attention._check_view = check
+        attention.plans._check_view = attention.launch_decode._check_view = check
     rec(tag="sdpa_end", B=64, ctx=8192, us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
 

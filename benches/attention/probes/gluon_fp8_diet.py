@@ -51,7 +51,7 @@ def main():
         ]
         for knobs in variants:
             for splits in (3, 4):
-                attention._GLUON_FP8_OPTIONS = {**DEFAULT, dtype: knobs}
+                attention.variants._GLUON_FP8_OPTIONS = {**DEFAULT, dtype: knobs}
                 try:
                     plan = attention.plan_decode(view, ba.HQ, pt, sl, num_splits=splits, gluon=True)
                     out = torch.empty(b, ba.HQ, ba.D, dtype=torch.bfloat16, device="cuda")
@@ -71,7 +71,7 @@ def main():
                     )
                 except Exception as e:  # noqa: BLE001
                     rec(tag="gluon", dtype=dtype, knobs=knobs, splits=splits, error=repr(e)[:300])
-        attention._GLUON_FP8_OPTIONS = dict(DEFAULT)
+        attention.variants._GLUON_FP8_OPTIONS = dict(DEFAULT)
         del view
     rec(tag="sdpa_end", us=ba.bench_sdpa(64, 8192, 25)["ms"] * 1e3)
 
