@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool._host import as_device_tensor
 from kvpool.attention import variants
 from kvpool.attention._common import (
     _FP4,
@@ -68,9 +69,11 @@ def decode(
     q : torch.Tensor
         ``[B, H_q, D]`` fp32/bf16/fp16, ``H_q`` a multiple of the KV heads; the query of the
         token at position ``seq_len - 1`` (its K/V already written).
-    page_table : torch.Tensor
-        ``[B, max_pages]`` int32 (omit when ``plan`` is given).
-    seq_lens : torch.Tensor
+    page_table : torch.Tensor or numpy.ndarray
+        ``[B, max_pages]`` int32 (omit when ``plan`` is given). Numpy int32 arrays (what the
+        batch helpers return) are copied to the pool's device (pinned, ``non_blocking``: no
+        sync); a plan holds them already copied, once per batch.
+    seq_lens : torch.Tensor or numpy.ndarray
         ``[B]`` int32, each in ``1 .. max_pages * page_size`` (omit when ``plan`` is given).
     sm_scale : float, optional
         Softmax scale, finite and > 0 (None: ``1 / sqrt(D)``).
@@ -124,6 +127,8 @@ def decode(
             seq_lens = plan.seq_lens
         if plan.num_q_heads != hq:
             raise ValueError(f"`plan` was made for {plan.num_q_heads} query heads, `q` has {hq}")
+    page_table = as_device_tensor("page_table", page_table, dev)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
     if page_table is None or seq_lens is None:
         raise ValueError("`page_table` and `seq_lens` are required without a `plan`")
     _check("page_table", page_table, shape=[bsz, None], dtype=torch.int32, device=dev)

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool._host import as_device_tensor
 from kvpool.attention._common import (
     _KERNEL_FORMAT,
     _Q_DTYPES,
@@ -70,11 +71,11 @@ def extend(
         The layer's buffers.
     q : torch.Tensor
         ``[T, H_q, D]`` fp32/bf16/fp16, ``T = cu_seqlens_q[-1]``.
-    cu_seqlens_q : torch.Tensor
+    cu_seqlens_q : torch.Tensor or numpy.ndarray
         ``[B + 1]`` int32, non-decreasing from 0 (omit when ``plan`` is given).
-    page_table : torch.Tensor
+    page_table : torch.Tensor or numpy.ndarray
         ``[B, max_pages]`` int32.
-    seq_lens : torch.Tensor
+    seq_lens : torch.Tensor or numpy.ndarray
         ``[B]`` int32, ``seq_lens[b] >= q_len_b``.
     sm_scale, window, sinks, softcap, backend, out
         As in :func:`decode` (``out`` is ``[T, H_q, Dv]``).
@@ -108,6 +109,9 @@ def extend(
         cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
         page_table = plan.page_table if page_table is None else page_table
         seq_lens = plan.seq_lens if seq_lens is None else seq_lens
+    page_table = as_device_tensor("page_table", page_table, dev)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, dev)
     if cu_seqlens_q is None or page_table is None or seq_lens is None:
         raise ValueError(
             "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"

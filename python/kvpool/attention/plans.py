@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from kvpool._host import as_device_tensor
 from kvpool.attention import splits, variants
 from kvpool.attention._common import _FP4, _pow2
 from kvpool.attention.checks import (
@@ -192,8 +194,10 @@ def plan_decode(
         Any layer of the pool (only its geometry is used).
     num_q_heads : int
         Query heads per rank.
-    page_table, seq_lens : torch.Tensor
-        As in :func:`decode`.
+    page_table, seq_lens : torch.Tensor or numpy.ndarray
+        As in :func:`decode`; numpy int32 arrays (what :func:`kvpool.page_table` returns) are
+        copied to ``view``'s device here, once per batch (pinned, ``non_blocking``: no sync),
+        and the plan keeps the device copies.
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
@@ -254,6 +258,8 @@ def plan_decode(
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
+    page_table = as_device_tensor("page_table", page_table, dev)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     b = page_table.shape[0]
@@ -440,8 +446,10 @@ def plan_extend(
 ) -> ExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
-    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer) and checks it
-    (ValueError unless non-decreasing from 0). Tile options
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer; none when it
+    is a numpy array) and checks it (ValueError unless non-decreasing from 0). ``cu_seqlens_q``,
+    ``page_table`` and ``seq_lens`` may be numpy int32 arrays: copied to ``view``'s device
+    once here (pinned, ``non_blocking``), the plan keeps the device copies. Tile options
     left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
     decode path of the dtype (word-level for FP4).
     """
@@ -452,8 +460,13 @@ def plan_extend(
         view.dtype, g, block_t, block_n, num_warps, num_stages, _head_factor(view)
     )
     _check_fp4_tile(view, block_n)
+    page_table = as_device_tensor("page_table", page_table, dev)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
+    cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, dev)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu_host = cu_seqlens_q.cpu()
+    # (a numpy cu_seqlens_q is read where it is: no device round trip)
+    cu_host = cu_seqlens_q.cpu() if cu_np is None else torch.from_numpy(cu_np)
     _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
     cu = cu_host.tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
