@@ -85,6 +85,15 @@ from kvpool.attention.launch_decode import (  # noqa: F401
     decode,
 )
 from kvpool.attention.launch_extend import extend
+from kvpool.attention.mla import (
+    MLA_ROPE_DIM,
+    MLADecodePlan,
+    MLAExtendPlan,
+    mla_decode,
+    mla_extend,
+    plan_mla_decode,
+    plan_mla_extend,
+)
 from kvpool.attention.plans import (  # noqa: F401
     DecodePlan,
     ExtendPlan,
@@ -96,10 +105,14 @@ from kvpool.attention.plans import (  # noqa: F401
 )
 from kvpool.attention.reference import (  # noqa: F401
     _attend,
+    _attend_latent,
     _gather_dequant,
+    _latent,
     _slots,
     reference_decode,
     reference_extend,
+    reference_mla_decode,
+    reference_mla_extend,
 )
 from kvpool.attention.splits import MAX_SPLITS, _num_sms, default_splits  # noqa: F401
 from kvpool.attention.variants import (  # noqa: F401
@@ -127,12 +140,21 @@ from kvpool.attention.variants import (  # noqa: F401
 )
 
 __all__ = [
+    "MLA_ROPE_DIM",
     "DecodePlan",
     "ExtendPlan",
+    "MLADecodePlan",
+    "MLAExtendPlan",
     "decode",
     "extend",
+    "mla_decode",
+    "mla_extend",
     "plan_decode",
     "plan_extend",
+    "plan_mla_decode",
+    "plan_mla_extend",
     "reference_decode",
     "reference_extend",
+    "reference_mla_decode",
+    "reference_mla_extend",
 ]

@@ -31,6 +31,7 @@ from kvpool.attention.checks import (
     _sm_scale,
     _use_triton,
 )
+from kvpool.attention.mla import _refuse, mla_decode
 from kvpool.attention.plans import DecodePlan, plan_decode
 from kvpool.attention.reference import reference_decode
 from kvpool.attention.variants import (
@@ -59,13 +60,17 @@ def decode(
     plan: DecodePlan | None = None,
     out: torch.Tensor | None = None,
     debug: bool = False,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of one new token per request over the paged cache of one layer.
 
     Parameters
     ----------
     view : LayerView
-        The layer's buffers (any KV dtype; MLA layers are not supported).
+        The layer's buffers (any KV dtype). An MLA layer (``v`` None) runs
+        :func:`kvpool.attention.mla.mla_decode`: ``q [B, H, kv_lora_rank + qk_rope_head_dim]``
+        with W_UK absorbed, ``sm_scale`` required, no ``window``/``sinks``/``softcap``, output
+        ``[B, H, kv_lora_rank]``.
     q : torch.Tensor
         ``[B, H_q, D]`` fp32/bf16/fp16, ``H_q`` a multiple of the KV heads; the query of the
         token at position ``seq_len - 1`` (its K/V already written).
@@ -95,6 +100,8 @@ def decode(
         ``1 .. max_pages * page_size`` and the page ids they read in ``0 .. num_pages - 1``
         (page 0, the padding page, serves padded requests: its contents are garbage). CPU
         tensors are always checked.
+    kv_lora_rank : int, optional
+        MLA layers only: the latent's value part (see :mod:`kvpool.attention.mla`).
 
     Returns
     -------
@@ -111,7 +118,22 @@ def decode(
         ``plan`` made for another batch or one whose kernel cannot run this layer (a Gluon plan
         on a bf16 or fp32 view, another head_dim, ...).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    if view.v is None:  # MLA: the absorbed latent kernels
+        _refuse("decode", window=window, sinks=sinks, softcap=softcap)
+        return mla_decode(
+            view, q, page_table, seq_lens, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank,
+            backend=backend, plan=plan, out=out, debug=debug,
+        )  # fmt: skip
+    if kv_lora_rank is not None:
+        raise ValueError(f"`kv_lora_rank`: MLA layers only (layer {view.layer} stores K and V)")
     _check_view(view)
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise ValueError(
+            f"`plan` is a {type(plan).__name__}: layer {view.layer} needs a DecodePlan"
+        )
     dev = view.k.device
     _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
     bsz, hq, d = q.shape
@@ -127,8 +149,6 @@ def decode(
             seq_lens = plan.seq_lens
         if plan.num_q_heads != hq:
             raise ValueError(f"`plan` was made for {plan.num_q_heads} query heads, `q` has {hq}")
-    page_table = as_device_tensor("page_table", page_table, dev)
-    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
     if page_table is None or seq_lens is None:
         raise ValueError("`page_table` and `seq_lens` are required without a `plan`")
     _check("page_table", page_table, shape=[bsz, None], dtype=torch.int32, device=dev)

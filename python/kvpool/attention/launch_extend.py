@@ -29,6 +29,7 @@ from kvpool.attention.checks import (
     _sm_scale,
     _use_triton,
 )
+from kvpool.attention.mla import _refuse, mla_extend
 from kvpool.attention.plans import ExtendPlan, _extend_tiles
 from kvpool.attention.reference import reference_extend
 from kvpool.attention.variants import (
@@ -58,6 +59,7 @@ def extend(
     plan: ExtendPlan | None = None,
     out: torch.Tensor | None = None,
     debug: bool = False,
+    kv_lora_rank: int | None = None,
 ) -> torch.Tensor:
     """Extend attention: new tokens of a ragged batch attend causally to their whole sequence.
 
@@ -68,7 +70,9 @@ def extend(
     Parameters
     ----------
     view : LayerView
-        The layer's buffers.
+        The layer's buffers. An MLA layer (``v`` None) runs
+        :func:`kvpool.attention.mla.mla_extend` (``q [T, H, kv_lora_rank + qk_rope_head_dim]``,
+        ``sm_scale`` required, output ``[T, H, kv_lora_rank]``).
     q : torch.Tensor
         ``[T, H_q, D]`` fp32/bf16/fp16, ``T = cu_seqlens_q[-1]``.
     cu_seqlens_q : torch.Tensor or numpy.ndarray
@@ -84,6 +88,8 @@ def extend(
         ``seq_lens[b] >= q_len_b``. CPU tensors are always checked.
     plan : ExtendPlan, optional
         From :func:`plan_extend`.
+    kv_lora_rank : int, optional
+        MLA layers only: the latent's value part (see :mod:`kvpool.attention.mla`).
 
     Returns
     -------
@@ -96,7 +102,23 @@ def extend(
         A tensor of the wrong shape, dtype or device (the message names it), a bad option;
         bad ``cu_seqlens_q``, ``seq_lens`` or page ids (see ``debug``).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, view.k.device)
+    if view.v is None:  # MLA: the absorbed latent kernels
+        _refuse("extend", window=window, sinks=sinks, softcap=softcap)
+        return mla_extend(
+            view, q, cu_seqlens_q, page_table, seq_lens, sm_scale=sm_scale,
+            kv_lora_rank=kv_lora_rank, backend=backend, plan=plan, out=out, debug=debug,
+        )  # fmt: skip
+    if kv_lora_rank is not None:
+        raise ValueError(f"`kv_lora_rank`: MLA layers only (layer {view.layer} stores K and V)")
     _check_view(view)
+    if plan is not None and not isinstance(plan, ExtendPlan):
+        raise ValueError(
+            f"`plan` is a {type(plan).__name__}: layer {view.layer} needs an ExtendPlan"
+        )
     dev = view.k.device
     _check("q", q, ndim=3, dtype=_Q_DTYPES, device=dev)
     t, hq, d = q.shape
@@ -109,9 +131,6 @@ def extend(
         cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
         page_table = plan.page_table if page_table is None else page_table
         seq_lens = plan.seq_lens if seq_lens is None else seq_lens
-    page_table = as_device_tensor("page_table", page_table, dev)
-    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
-    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, dev)
     if cu_seqlens_q is None or page_table is None or seq_lens is None:
         raise ValueError(
             "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"

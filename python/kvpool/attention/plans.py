@@ -18,6 +18,7 @@ from kvpool.attention.checks import (
     _check_view,
     _group,
 )
+from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
     _GLUON_CONFIG,
@@ -84,6 +85,9 @@ class DecodePlan:
         ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
         scale rows; else register prefetch, ``prefetch``) instead of the Triton one; the other
         kernel options are unused.
+    kernel : str
+        The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
+        ``"gluon_fp4"`` (the Gluon kernels) or ``"triton_generic"`` (``decode.decode_kernel``).
     """
 
     page_table: torch.Tensor
@@ -103,6 +107,7 @@ class DecodePlan:
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
     gluon: bool = False
+    kernel: str = "triton_generic"
 
 
 def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
@@ -163,7 +168,19 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
+        kernel="gluon_fp4" if view.dtype in _FP4 else "gluon_fp8",
     )
+
+
+def _refuse_knobs(**knobs) -> None:
+    """ValueError naming the decode knobs given that MLA plans do not take."""
+    given = [k for k, v in knobs.items() if v is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: options of the GQA decode kernels, not of the MLA kernel "
+            "(it takes num_splits, block_n, num_warps, num_stages, asm; "
+            "see kvpool.attention.mla.plan_mla_decode for block_h)"
+        )
 
 
 def plan_decode(
@@ -185,7 +202,8 @@ def plan_decode(
     maxnreg: int | None = None,
     ablate: int = 0,
     gluon: bool | None = None,
-) -> DecodePlan:
+    kv_lora_rank: int | None = None,
+) -> DecodePlan | MLADecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
 
     Parameters
@@ -254,12 +272,27 @@ def plan_decode(
         shorter than 32 tokens on the GPU; ``swap`` with ``use_dot=False``, ``prefetch`` or
         ``ablate > 1``; ``gluon=True`` where the Gluon kernel cannot run, or with a Triton
         knob. The message names the value.
+
+    An MLA layer (``v`` None) is planned by :func:`kvpool.attention.mla.plan_mla_decode`
+    (``num_splits``, ``block_n``, ``num_warps``, ``num_stages``, ``asm``, ``kv_lora_rank``
+    apply; the other knobs are refused).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    if view.v is None:
+        _refuse_knobs(
+            use_dot=use_dot, prefetch=prefetch, swap=swap, group_pad=group_pad, maxnreg=maxnreg,
+            ablate=ablate or None, gluon=gluon,
+        )  # fmt: skip
+        return plan_mla_decode(
+            view, num_q_heads, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
+            max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+            num_stages=num_stages, asm=asm,
+        )  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
-    page_table = as_device_tensor("page_table", page_table, dev)
-    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     b = page_table.shape[0]
@@ -393,6 +426,8 @@ class ExtendPlan:
     asm : bool
         FP4 and fp8: word-level decode with inline PTX (see :class:`DecodePlan`); on by default
         for FP4 caches, off for fp8 (slower in extend).
+    kernel : str
+        The kernel variant: ``"triton_generic"`` (``extend.extend_kernel``).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -404,6 +439,7 @@ class ExtendPlan:
     num_warps: int
     num_stages: int
     asm: bool = False
+    kernel: str = "triton_generic"
 
 
 def _extend_tiles(
@@ -443,16 +479,29 @@ def plan_extend(
     num_warps: int | None = None,
     num_stages: int | None = None,
     asm: bool | None = None,
-) -> ExtendPlan:
+    kv_lora_rank: int | None = None,
+) -> ExtendPlan | MLAExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
     Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer; none when it
     is a numpy array) and checks it (ValueError unless non-decreasing from 0). ``cu_seqlens_q``,
-    ``page_table`` and ``seq_lens`` may be numpy int32 arrays: copied to ``view``'s device
-    once here (pinned, ``non_blocking``), the plan keeps the device copies. Tile options
-    left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
-    decode path of the dtype (word-level for FP4).
+    ``page_table`` and ``seq_lens`` may be numpy int32 arrays (the batch helpers' output):
+    copied to ``view``'s device once here (pinned, ``non_blocking``); the plan keeps the
+    copies. Tile options left as None take the measured defaults (``_extend_tiles``);
+    ``asm=None`` the default decode path of the dtype (word-level for FP4). An MLA layer is
+    planned by
+    :func:`kvpool.attention.mla.plan_mla_extend`.
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None  # (read as is)
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, view.k.device)
+    if view.v is None:
+        return plan_mla_extend(
+            view, num_q_heads, cu_seqlens_q, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
+            block_t=block_t, block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm,
+        )  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
@@ -460,12 +509,7 @@ def plan_extend(
         view.dtype, g, block_t, block_n, num_warps, num_stages, _head_factor(view)
     )
     _check_fp4_tile(view, block_n)
-    page_table = as_device_tensor("page_table", page_table, dev)
-    seq_lens = as_device_tensor("seq_lens", seq_lens, dev)
-    cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None
-    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, dev)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    # (a numpy cu_seqlens_q is read where it is: no device round trip)
     cu_host = cu_seqlens_q.cpu() if cu_np is None else torch.from_numpy(cu_np)
     _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
     cu = cu_host.tolist()

@@ -123,3 +123,60 @@ def reference_extend(
             q[a:e], k, v, pos, sm_scale=scale, window=window, sinks=sinks, softcap=softcap
         )
     return res
+
+
+def _latent(view: LayerView, slots: torch.Tensor) -> torch.Tensor:
+    """MLA latent rows of the given slots, dequantized to fp32 ``[L, kv_lora_rank + rope]``."""
+    x = view.k[slots]
+    b = None
+    if view.k_block_scale is not None:
+        b = view.k_block_scale[slots].reshape(len(slots), 1, -1)
+    scale = view.k_scale.reshape(()) if view.k_scale is not None else 1.0
+    return formats.dequantize(x, b, view.dtype, scale=scale)[:, 0]
+
+
+def _attend_latent(q, lat, pos, *, sm_scale, kv_lora_rank):
+    """fp32 absorbed MLA attention of ``q [n, H, Dl + Dr]`` at positions ``pos [n]``.
+
+    Over the latent rows ``lat [L, Dl + Dr]``: K is the whole row, V its first ``kv_lora_rank``.
+    """
+    s = torch.einsum("nhd,ld->nhl", q.float(), lat) * sm_scale
+    keep = torch.arange(lat.shape[0], device=q.device)[None, :] <= pos[:, None]  # [n, L]
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    return torch.einsum("nhl,ld->nhd", torch.softmax(s, dim=-1), lat[:, :kv_lora_rank])
+
+
+def reference_mla_decode(view, q, page_table, seq_lens, *, sm_scale, kv_lora_rank):
+    """Torch reference of :func:`kvpool.attention.mla.mla_decode`: dequantize, attend in fp32.
+
+    ``q [B, H, Dl + Dr]``; returns ``[B, H, kv_lora_rank]`` fp32. Only slots below ``seq_len`` are
+    read. Raises ValueError on bad ``seq_lens`` or page ids (:func:`_check_batch`).
+    """
+    _check_batch(view, page_table, seq_lens)
+    res = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(seq_lens.cpu().tolist()):
+        lat = _latent(view, _slots(view, page_table, b, 0, n))
+        pos = torch.tensor([n - 1], device=q.device)
+        res[b] = _attend_latent(
+            q[b : b + 1], lat, pos, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
+        )[0]
+    return res
+
+
+def reference_mla_extend(view, q, cu_seqlens_q, page_table, seq_lens, *, sm_scale, kv_lora_rank):
+    """Torch reference of :func:`kvpool.attention.mla.mla_extend`: causal, fp32.
+
+    ``q [T, H, Dl + Dr]``; returns ``[T, H, kv_lora_rank]`` fp32. Raises ValueError on bad
+    ``cu_seqlens_q``, ``seq_lens`` or page ids (:func:`_check_batch`).
+    """
+    _check_batch(view, page_table, seq_lens, cu_seqlens_q, q.shape[0])
+    cu = cu_seqlens_q.cpu().tolist()
+    res = torch.zeros(q.shape[0], q.shape[1], kv_lora_rank, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(seq_lens.cpu().tolist()):
+        a, e = cu[b], cu[b + 1]
+        if e == a:
+            continue
+        lat = _latent(view, _slots(view, page_table, b, 0, n))
+        pos = torch.arange(n - (e - a), n, device=q.device)
+        res[a:e] = _attend_latent(q[a:e], lat, pos, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+    return res

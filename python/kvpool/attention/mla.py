@@ -1,0 +1,580 @@
+"""MLA attention over the paged latent cache (DeepSeek-V2/V3/R1, Kimi-K2), in the absorbed form.
+
+Contract (DeepSeek-V2, arXiv 2405.04434, section 2.1 and its appendix on absorbed inference;
+the form FlashMLA and FlashInfer's MLA kernels run):
+
+- The cache holds one latent row per token: ``c_kv`` (``kv_lora_rank`` values, 512 for every
+  bundled MLA model) followed by the rotary key ``k_rope`` (``qk_rope_head_dim``, 64), written
+  by :meth:`kvpool.KVPool.write` as ``k [T, 1, kv_lora_rank + qk_rope_head_dim]``. The layer's
+  :class:`~kvpool.pool.LayerView` has ``k [R, 1, Dl + Dr]`` (FP4: ``[R, 1, (Dl + Dr) / 2]``
+  uint8 with block scales, nvfp4 ``[R, 1, (Dl + Dr) / 16]`` e4m3, mx ``[R, (Dl + Dr) / 16]``
+  uint8), ``v`` None, ``num_kv_heads`` 1; fp8 caches a per-tensor ``k_scale``, nvfp4 its global
+  scale there.
+- The caller absorbs ``W_UK`` into the query and ``W_UV`` into the output projection: per head,
+  ``q = [q_nope @ W_UK^T, q_rope]`` of ``kv_lora_rank + qk_rope_head_dim`` values (``q_rope``
+  after rotary embedding), and the output ``o [kv_lora_rank]`` becomes the head's value through
+  ``o @ W_UV``. Then every head attends to the same rows: ``K`` = the whole latent row,
+  ``V`` = its first ``kv_lora_rank`` values, ``o = softmax(sm_scale * q . K) V``.
+- ``sm_scale`` is the caller's: ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)`` (= 1/sqrt(192)
+  for DeepSeek) times ``mscale^2`` where the model uses YaRN rope scaling (DeepSeek-V3/R1 and
+  Kimi-K2 do: ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``). It is required: no default
+  from the shapes would be right for those models.
+- Shapes: decode ``q [B, H, Dl + Dr]`` -> ``[B, H, Dl]``; extend ``q [T, H, Dl + Dr]`` ragged by
+  ``cu_seqlens_q`` -> ``[T, H, Dl]``, causal over the cached prefix and the new tokens (whose
+  latents are already written). q fp32/bf16/fp16, output in q's dtype. ``page_table``,
+  ``seq_lens``, ``cu_seqlens_q`` as in :func:`kvpool.attention.decode` / ``extend``.
+- ``kv_lora_rank``: the view stores only ``Dl + Dr``; it is taken from ``kv_lora_rank=``, else
+  from ``out``'s last dim, else ``head_dim - 64`` (``qk_rope_head_dim`` is 64 in every MLA model
+  released so far: DeepSeek-V2, V3, R1, Kimi-K2).
+
+Kernels (``kvpool.triton_kernels.mla``, plan ``kernel = "mla_triton"``): decode splits each
+request's tokens (flash-decoding, merged by ``decode.merge_kernel``), one program per (block of
+``block_h`` heads, request, split) reading each latent tile once for its heads (tensor-core
+dots ``[block_h x 576] x [576 x block_n]``); extend takes ``block_t`` new tokens x ``block_h``
+heads per program. Every dtype is dequantized in registers (FP4 included). The kernels need
+``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16 (Triton tiles); the torch
+reference (:func:`~kvpool.attention.reference.reference_mla_decode`) takes any geometry.
+Extend runs the absorbed form too (about 3.4x the FLOPs of the expanded form at DeepSeek's
+shapes: fine for chunks of new tokens over a long prefix, not the fastest for a long plain
+prefill).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpool.attention._common import (
+    _FP4,
+    _KERNEL_FORMAT,
+    _Q_DTYPES,
+    _STORAGE,
+    Backend,
+    _cdiv,
+    _compute_dtype,
+    _pow2,
+    _tl_dtype,
+)
+from kvpool.attention.checks import (
+    _check,
+    _check_batch,
+    _check_cu_seqlens,
+    _check_knob,
+    _check_unit_inner_strides,
+    _positive_real,
+    _use_triton,
+)
+from kvpool.attention.reference import reference_mla_decode, reference_mla_extend
+from kvpool.attention.splits import MAX_SPLITS, default_splits
+from kvpool.attention.variants import _asm_mode, _check_fp4_tile
+
+if TYPE_CHECKING:
+    from kvpool.pool import LayerView
+
+#: qk_rope_head_dim of every MLA model released so far (the default split of a latent row).
+MLA_ROPE_DIM = 64
+
+
+@dataclass
+class MLADecodePlan:
+    """Launch metadata of :func:`mla_decode` for one batch, reused by every MLA layer.
+
+    Attributes
+    ----------
+    page_table, seq_lens : torch.Tensor
+        ``[B, max_pages]`` / ``[B]`` int32.
+    num_q_heads, kv_lora_rank : int
+        Heads per rank and the latent's value part (``Dl``).
+    num_splits : int
+        KV splits per request; 1 writes the output directly.
+    block_h, block_n, num_warps, num_stages : int
+        Heads per program (a power of two >= 16), KV tile in tokens, launch options.
+    asm : bool
+        fp8/FP4: decode 32-bit words of the cache (inline PTX; the interpreter emulates it).
+    part_out, part_lse : torch.Tensor or None
+        fp32 split workspaces ``[B, H, num_splits, Dl]`` / ``[B, H, num_splits]``.
+    kernel : str
+        The kernel variant that runs: ``"mla_triton"``.
+    """
+
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_q_heads: int
+    kv_lora_rank: int
+    num_splits: int
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    asm: bool
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+    kernel: str = "mla_triton"
+
+
+@dataclass
+class MLAExtendPlan:
+    """Launch metadata of :func:`mla_extend` for one batch.
+
+    ``work`` ``[n, 2]`` int32 lists (request, first new token) of every non-empty block of
+    ``block_t`` new tokens; the other fields as in :class:`MLADecodePlan`.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    num_q_heads: int
+    kv_lora_rank: int
+    work: torch.Tensor
+    block_t: int
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    asm: bool
+    kernel: str = "mla_triton"
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _rank(view: LayerView, kv_lora_rank, out=None) -> int:
+    """``kv_lora_rank`` checked against the view (see the module docstring for the default)."""
+    d = view.head_dim
+    if kv_lora_rank is None:
+        kv_lora_rank = out.shape[-1] if isinstance(out, torch.Tensor) else d - MLA_ROPE_DIM
+    r = _check_knob("kv_lora_rank", kv_lora_rank, 1)
+    if r >= d:
+        raise ValueError(
+            f"`kv_lora_rank` = {r}: must be less than the latent's {d} values "
+            "(kv_lora_rank + qk_rope_head_dim)"
+        )
+    return r
+
+
+def _check_mla_view(view: LayerView, rank: int, kernels: bool) -> None:
+    """ValueError unless ``view`` is an MLA layer the reference (if ``kernels``: Triton) reads.
+
+    Checks the latent's shape, dtype and scales, and for the kernels its geometry.
+    """
+    if not view.is_mla:
+        raise ValueError(f"`view` (layer {view.layer}) is not an MLA layer (it has `v`)")
+    if view.dtype not in _KERNEL_FORMAT:
+        raise ValueError(
+            f"`view.dtype` = {view.dtype!r} is not a KV dtype ({', '.join(_KERNEL_FORMAT)})"
+        )
+    d, fp4 = view.head_dim, view.dtype in _FP4
+    _check("view.k", view.k, shape=[None, 1, d // 2 if fp4 else d], dtype=_STORAGE[view.dtype])
+    if view.k.stride(2) != 1:
+        raise ValueError(f"`view.k` must be contiguous within a row (strides {view.k.stride()})")
+    if fp4:
+        bs = view.k_block_scale
+        if bs is None:
+            raise ValueError(f"`view` is {view.dtype} but has no block scales")
+        if bs.shape[0] != view.k.shape[0] or bs[0].numel() != d // 16 or not bs.is_contiguous():
+            raise ValueError(
+                f"`view.k_block_scale` must hold {d // 16} contiguous scales per row, "
+                f"got shape {list(bs.shape)}"
+            )
+    if _KERNEL_FORMAT[view.dtype][2] and view.k_scale is None:
+        raise ValueError(f"`view` is {view.dtype} but has no k_scale")
+    if not kernels:
+        return
+    rope = d - rank
+    for name, n in (("kv_lora_rank", rank), ("qk_rope_head_dim", rope)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(
+                f"MLA latent of {d} values = kv_lora_rank {rank} + qk_rope_head_dim {rope}: "
+                f"the MLA kernels need both powers of two >= 16 (DeepSeek/Kimi: 512 + 64); "
+                f"{name} = {n} is not (backend='torch' runs any geometry)"
+            )
+    ps = view.page_size
+    if ps < 1 or ps & (ps - 1):
+        raise ValueError(f"`view.page_size` = {ps}: the kernels need a power of two")
+
+
+def _mla_scale(sm_scale) -> float:
+    if sm_scale is None:
+        raise ValueError(
+            "`sm_scale` is required for MLA layers: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) "
+            "(1/sqrt(192) for DeepSeek), times mscale^2 with YaRN rope scaling (DeepSeek-V3/R1, "
+            "Kimi-K2: mscale = 0.1 * mscale_all_dim * ln(factor) + 1)"
+        )
+    return _positive_real("sm_scale", sm_scale)
+
+
+def _check_q(q, view: LayerView) -> None:
+    _check("q", q, ndim=3, dtype=_Q_DTYPES, device=view.k.device)
+    if q.shape[2] != view.head_dim:
+        raise ValueError(
+            f"`q` has {q.shape[2]} values per head, the MLA latent {view.head_dim} "
+            "(kv_lora_rank + qk_rope_head_dim: q_nope absorbed through W_UK, then q_rope)"
+        )
+    if q.stride(2) != 1:
+        raise ValueError("`q` must be contiguous in its last dim")
+
+
+def _out(out, rows: int, h: int, rank: int, q: torch.Tensor) -> torch.Tensor:
+    shape = [rows, h, rank]
+    if out is None:
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
+    _check("out", out, shape=shape, dtype=q.dtype, device=q.device)
+    return out
+
+
+def _refuse(kind: str, **options) -> None:
+    given = [k for k, v in options.items() if v is not None]
+    if given:
+        raise ValueError(
+            f"{', '.join(f'`{k}`' for k in given)}: not supported on MLA layers "
+            f"({kind}; DeepSeek and Kimi use none of them)"
+        )
+
+
+def _asm_ok(view: LayerView) -> bool:
+    """Word-level decode: fp8/FP4 latent rows starting on 4-byte boundaries (as in a pool)."""
+    t = view.k
+    return view.dtype in ("fp8_e4m3", "fp8_e5m2", *_FP4) and (
+        t.stride(0) * t.element_size() % 4 == 0 and t.data_ptr() % 4 == 0
+    )
+
+
+def _block_h(h: int, block_h) -> int:
+    if block_h is None:
+        return min(64, max(16, _pow2(h)))
+    return _check_knob("block_h", block_h, 16, 128, pow2=True)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def plan_mla_decode(
+    view: LayerView,
+    num_q_heads: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    asm: bool | None = None,
+) -> MLADecodePlan:
+    """Plan :func:`mla_decode` for one batch (any MLA layer of the pool may use it).
+
+    Defaults (not yet measured on a GPU; the knobs are there to tune them): ``block_h`` the
+    heads' power of two in 16..64 (64 for 128 heads: two programs per request and split),
+    ``block_n`` 32 tokens, 8 warps from 64 heads a program (4 below), 2 stages, the word decode
+    for fp8/FP4, splits from :func:`~kvpool.attention.splits.default_splits` over
+    ``B x ceil(H / block_h)`` programs. ``max_seq_len`` as in :func:`plan_decode`.
+
+    Raises
+    ------
+    ValueError
+        A tensor of the wrong shape/dtype/device, a geometry the kernels do not cover (named,
+        with what they support), a knob out of range (``block_h`` a power of two in 16..128,
+        ``block_n`` >= 16, 32 for FP4 on the GPU, ``num_splits`` 1..1024).
+    """
+    rank = _rank(view, kv_lora_rank)
+    _check_mla_view(view, rank, kernels=True)
+    h = _check_knob("num_q_heads", num_q_heads, 1)
+    dev = view.k.device
+    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
+    b = page_table.shape[0]
+    cap = page_table.shape[1] * view.page_size
+    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    bh = _block_h(h, block_h)
+    block_n = _check_knob("block_n", 32 if block_n is None else block_n, 16, pow2=True)
+    _check_fp4_tile(view, block_n)
+    nw = 8 if bh >= 64 else 4
+    nw = _check_knob("num_warps", nw if num_warps is None else num_warps, 1, 32, pow2=True)
+    ns = _check_knob("num_stages", 2 if num_stages is None else num_stages, 1)
+    if num_splits is None:
+        num_splits = default_splits(b, _cdiv(h, bh), ctx, dev, block_n, nw)
+    num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
+    part_out = part_lse = None
+    if num_splits > 1:
+        part_out = torch.empty(b, h, num_splits, rank, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
+    asm = _asm_ok(view) if asm is None else bool(asm) and _asm_ok(view)
+    return MLADecodePlan(
+        page_table, seq_lens, h, rank, num_splits, bh, block_n, nw, ns, asm, part_out, part_lse
+    )
+
+
+def _extend_tiles(h: int, block_t, block_h, block_n, num_warps, num_stages):
+    bh = min(64, _pow2(h)) if block_h is None else _check_knob("block_h", block_h, 1, 128, True)
+    bt = max(1, 64 // bh) if block_t is None else _check_knob("block_t", block_t, 1, pow2=True)
+    if bt * bh < 16:
+        raise ValueError(
+            f"`block_t` x `block_h` = {bt} x {bh}: a program needs >= 16 rows (tensor-core tiles)"
+        )
+    bn = _check_knob("block_n", 32 if block_n is None else block_n, 16, pow2=True)
+    nw = _check_knob("num_warps", 8 if num_warps is None else num_warps, 1, 32, pow2=True)
+    ns = _check_knob("num_stages", 2 if num_stages is None else num_stages, 1)
+    return bt, bh, bn, nw, ns
+
+
+def plan_mla_extend(
+    view: LayerView,
+    num_q_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int | None = None,
+    block_t: int | None = None,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    asm: bool | None = None,
+) -> MLAExtendPlan:
+    """Plan :func:`mla_extend` for one batch: the (request, token block) pairs with new tokens.
+
+    Reads ``cu_seqlens_q`` on the host once. Defaults: ``block_h`` the heads' power of two up
+    to 64, ``block_t`` ``64 / block_h`` tokens (64 rows a program), ``block_n`` 32, 8 warps,
+    2 stages. Raises ValueError as :func:`plan_mla_decode`, and for ``cu_seqlens_q`` not
+    non-decreasing from 0.
+    """
+    rank = _rank(view, kv_lora_rank)
+    _check_mla_view(view, rank, kernels=True)
+    h = _check_knob("num_q_heads", num_q_heads, 1)
+    dev = view.k.device
+    bt, bh, bn, nw, ns = _extend_tiles(h, block_t, block_h, block_n, num_warps, num_stages)
+    _check_fp4_tile(view, bn)
+    _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
+    cu_host = cu_seqlens_q.cpu()
+    _check_cu_seqlens(cu_host.long(), None)
+    cu = cu_host.tolist()
+    work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], bt)]
+    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, 2).to(dev)
+    asm = _asm_ok(view) if asm is None else bool(asm) and _asm_ok(view)
+    return MLAExtendPlan(
+        cu_seqlens_q, page_table, seq_lens, h, rank, work_t, bt, bh, bn, nw, ns, asm
+    )
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _kernel_consts(view: LayerView, rank: int, asm: bool) -> dict:
+    fmt, _, has_scale, fp4_mul = _KERNEL_FORMAT[view.dtype]
+    cdt = _compute_dtype(view.dtype)
+    return dict(
+        DL=rank,
+        DR=view.head_dim - rank,
+        FMT=fmt,
+        CDT=_tl_dtype(cdt),
+        IS_F32=cdt == torch.float32,
+        HAS_SCALE=has_scale,
+        FP4_MUL=fp4_mul,
+        ASM=_asm_mode(asm and _asm_ok(view)),
+    )
+
+
+def _scales(view: LayerView):
+    kbs = view.k_block_scale.view(torch.uint8) if view.k_block_scale is not None else view.k
+    ksc = view.k_scale if view.k_scale is not None else view.k
+    return kbs, ksc, (kbs.stride(0) if view.k_block_scale is not None else 0)
+
+
+def mla_decode(
+    view: LayerView,
+    q: torch.Tensor,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    kv_lora_rank: int | None = None,
+    backend: Backend = "auto",
+    plan: MLADecodePlan | None = None,
+    out: torch.Tensor | None = None,
+    debug: bool = False,
+) -> torch.Tensor:
+    """Absorbed MLA decode: one new token per request over an MLA layer's latent cache.
+
+    Parameters
+    ----------
+    view : LayerView
+        An MLA layer (``v`` None, ``k`` the latent ``[R, 1, Dl + Dr]``; every KV dtype).
+    q : torch.Tensor
+        ``[B, H, Dl + Dr]`` fp32/bf16/fp16: per head ``[q_nope W_UK, q_rope]`` (module docstring).
+    page_table, seq_lens : torch.Tensor
+        ``[B, max_pages]`` / ``[B]`` int32 (omit with a ``plan``); ``seq_lens`` >= 1, the new
+        token's latent written.
+    sm_scale : float
+        Required (module docstring: 1/sqrt(192) x mscale^2 for DeepSeek-V3).
+    kv_lora_rank : int, optional
+        ``Dl`` (default: ``out``'s last dim, else ``head_dim - 64``).
+    backend, plan, out, debug
+        As in :func:`kvpool.attention.decode`; ``plan`` from :func:`plan_mla_decode`; ``out``
+        ``[B, H, Dl]`` in q's dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, Dl]`` in q's dtype, to be multiplied by ``W_UV`` per head by the caller.
+
+    Raises
+    ------
+    ValueError
+        No ``sm_scale``; wrong shapes/dtypes/devices (named); a geometry the kernels do not
+        cover; a plan made for another batch or rank; bad ``seq_lens`` or page ids (CPU
+        tensors always, CUDA with ``debug``).
+    """
+    scale = _mla_scale(sm_scale)
+    if plan is not None and not isinstance(plan, MLADecodePlan):
+        raise ValueError(f"`plan` is a {type(plan).__name__}: MLA layers need an MLADecodePlan")
+    if plan is not None:
+        page_table = plan.page_table if page_table is None else page_table
+        seq_lens = plan.seq_lens if seq_lens is None else seq_lens
+        kv_lora_rank = plan.kv_lora_rank if kv_lora_rank is None else kv_lora_rank
+    rank = _rank(view, kv_lora_rank, out)
+    triton = _use_triton(backend, q)
+    _check_mla_view(view, rank, kernels=triton)
+    _check_q(q, view)
+    if page_table is None or seq_lens is None:
+        raise ValueError("`page_table` and `seq_lens` are required without a `plan`")
+    dev = view.k.device
+    bsz, h, _ = q.shape
+    _check("page_table", page_table, shape=[bsz, None], dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
+    out = _out(out, bsz, h, rank, q)
+    if not triton:
+        ref = reference_mla_decode(view, q, page_table, seq_lens, sm_scale=scale, kv_lora_rank=rank)
+        return out.copy_(ref)
+    if bsz == 0:
+        return out
+    _check_unit_inner_strides(out=out, page_table=page_table, seq_lens=seq_lens)
+    if debug or dev.type != "cuda":
+        _check_batch(view, page_table, seq_lens)
+    if plan is None:
+        plan = plan_mla_decode(view, h, page_table, seq_lens, kv_lora_rank=rank)
+    if (plan.num_q_heads, plan.kv_lora_rank, plan.page_table.shape[0]) != (h, rank, bsz):
+        raise ValueError(
+            f"`plan` was made for {plan.page_table.shape[0]} requests x {plan.num_q_heads} heads, "
+            f"kv_lora_rank {plan.kv_lora_rank}; this call has {bsz} x {h}, {rank}"
+        )
+    _check_fp4_tile(view, plan.block_n)
+    s = plan.num_splits
+    if s > 1 and (plan.part_out is None or plan.part_out.device != dev):
+        raise ValueError(f"`plan` has no split workspace on {dev}")
+
+    from kvpool.triton_kernels.mla import mla_decode_kernel
+
+    kbs, ksc, kbs_stride = _scales(view)
+    consts = _kernel_consts(view, rank, plan.asm)
+    mla_decode_kernel[(_cdiv(h, plan.block_h), bsz, s)](
+        q, view.k, kbs, ksc, page_table, seq_lens, out,
+        plan.part_out if s > 1 else out, plan.part_lse if s > 1 else out,
+        q.stride(0), q.stride(1), view.k.stride(0), kbs_stride, page_table.stride(0),
+        out.stride(0), out.stride(1), scale, view.page_size.bit_length() - 1, s, h,
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, FINAL=s == 1, **consts,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    if s > 1:
+        from kvpool.attention.launch_decode import _merge
+
+        # (the latent is K and V: its fp8 scale / nvfp4 global scale is V's factor too)
+        _merge(plan, out, None, ksc, consts["HAS_SCALE"], consts["FP4_MUL"])
+    return out
+
+
+def mla_extend(
+    view: LayerView,
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    *,
+    sm_scale: float | None = None,
+    kv_lora_rank: int | None = None,
+    backend: Backend = "auto",
+    plan: MLAExtendPlan | None = None,
+    out: torch.Tensor | None = None,
+    debug: bool = False,
+) -> torch.Tensor:
+    """Absorbed MLA extend: ragged new tokens attend causally to their prefix and themselves.
+
+    ``q [T, H, Dl + Dr]`` (request ``b``'s new tokens ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``,
+    the last ``q_len_b`` of its ``seq_lens[b]`` tokens, latents written) -> ``[T, H, Dl]`` in
+    q's dtype. Other arguments and errors as in :func:`mla_decode` and
+    :func:`kvpool.attention.extend`; ``plan`` from :func:`plan_mla_extend`.
+    """
+    scale = _mla_scale(sm_scale)
+    if plan is not None and not isinstance(plan, MLAExtendPlan):
+        raise ValueError(f"`plan` is a {type(plan).__name__}: MLA layers need an MLAExtendPlan")
+    if plan is not None:
+        cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
+        page_table = plan.page_table if page_table is None else page_table
+        seq_lens = plan.seq_lens if seq_lens is None else seq_lens
+        kv_lora_rank = plan.kv_lora_rank if kv_lora_rank is None else kv_lora_rank
+    rank = _rank(view, kv_lora_rank, out)
+    triton = _use_triton(backend, q)
+    _check_mla_view(view, rank, kernels=triton)
+    _check_q(q, view)
+    if cu_seqlens_q is None or page_table is None or seq_lens is None:
+        raise ValueError(
+            "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"
+        )
+    dev = view.k.device
+    t, h, _ = q.shape
+    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
+    bsz = page_table.shape[0]
+    _check("cu_seqlens_q", cu_seqlens_q, shape=[bsz + 1], dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
+    out = _out(out, t, h, rank, q)
+    if not triton:
+        ref = reference_mla_extend(
+            view, q, cu_seqlens_q, page_table, seq_lens, sm_scale=scale, kv_lora_rank=rank
+        )
+        return out.copy_(ref)
+    if debug or dev.type != "cuda":
+        _check_batch(view, page_table, seq_lens, cu_seqlens_q, t)
+    if t == 0 or bsz == 0:
+        return out
+    _check_unit_inner_strides(
+        out=out, page_table=page_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
+    )
+    if plan is not None:
+        if (plan.num_q_heads, plan.kv_lora_rank) != (h, rank):
+            raise ValueError(
+                f"`plan` was made for {plan.num_q_heads} heads, kv_lora_rank "
+                f"{plan.kv_lora_rank}; this call has {h}, {rank}"
+            )
+        bt, bh, bn, nw, ns = (
+            plan.block_t,
+            plan.block_h,
+            plan.block_n,
+            plan.num_warps,
+            plan.num_stages,
+        )
+        work, asm, grid0, per_req = plan.work, plan.asm, plan.work.shape[0], 1
+    else:
+        bt, bh, bn, nw, ns = _extend_tiles(h, None, None, None, None, None)
+        work, asm = None, _asm_ok(view)
+        per_req = _cdiv(t, bt)
+        grid0 = bsz * per_req
+    _check_fp4_tile(view, bn)
+    if grid0 == 0:
+        return out
+
+    from kvpool.triton_kernels.mla import mla_extend_kernel
+
+    kbs, ksc, kbs_stride = _scales(view)
+    mla_extend_kernel[(grid0, _cdiv(h, bh))](
+        q, view.k, kbs, ksc, page_table, seq_lens, cu_seqlens_q,
+        work if work is not None else cu_seqlens_q, out,
+        q.stride(0), q.stride(1), view.k.stride(0), kbs_stride, page_table.stride(0),
+        out.stride(0), out.stride(1), scale, per_req, view.page_size.bit_length() - 1, h,
+        BLOCK_H=bh, BLOCK_T=bt, BLOCK_N=bn, USE_WORK=work is not None,
+        **_kernel_consts(view, rank, asm), num_warps=nw, num_stages=ns,
+    )  # fmt: skip
+    return out

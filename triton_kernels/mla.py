@@ -1,0 +1,271 @@
+"""MLA attention over the paged latent cache, in the absorbed form (decode split-KV, extend).
+
+``@triton.jit`` code only; the launchers and their checks live in ``kvpool.attention.mla``.
+
+Each token's cache row is one latent of ``DL + DR`` values (``DL`` = kv_lora_rank, the
+compressed KV; ``DR`` = qk_rope_head_dim, the shared rotary key), stored in any KV dtype. With
+W_UK folded into the query and W_UV into the output projection (DeepSeek-V2, arXiv 2405.04434,
+section 2.1; the form FlashMLA runs), every query head attends to the same rows: K is the whole
+latent row, V its first ``DL`` values. So a program takes a block of ``BLOCK_H`` heads of one
+request and reads each latent tile once for all of them: ``S = q_nope K_nope^T + q_rope
+K_rope^T`` is a ``[BLOCK_H x (DL + DR)] x [(DL + DR) x BLOCK_N]`` tensor-core product and
+``O += P K_nope`` a ``[BLOCK_H x BLOCK_N] x [BLOCK_N x DL]`` one.
+
+The row is read as two power-of-two pieces (``DL`` then ``DR`` values; 512 + 64 for DeepSeek):
+Triton tiles are powers of two and 576 is not. Dequantization reuses ``decode.load_raw`` /
+``decode.dequant`` (FP4 in registers; the per-tensor fp8 scale and the nvfp4 global scale are
+folded into the softmax scale and the output, as in ``decode``). Masking as in ``decode``: no
+slot at or past ``seq_len`` is read, no page-table entry past ``ceil(seq_len / page_size)``.
+"""
+
+import triton
+import triton.language as tl
+
+from .decode import dequant, load_raw
+
+LOG2E = tl.constexpr(1.4426950408889634)  # (compiled Triton refuses plain globals in @jit)
+
+
+@triton.jit
+def latent_tile(
+    KV,
+    KBS,
+    slot,
+    mask,
+    stride_kr,
+    stride_kbr,
+    OFF: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Values ``OFF .. OFF + D - 1`` of latent rows ``slot`` as ``[BN, D]`` in CDT (masked rows
+    read as 0). FP4 rows hold ``OFF / 2`` bytes and ``OFF / 16`` block scales before the piece
+    (``OFF`` is a multiple of 16, so the piece starts on a byte and a block boundary)."""
+    if FMT >= 2:
+        ptr = KV + OFF // 2
+        bs = KBS + OFF // 16
+    else:
+        ptr = KV + OFF
+        bs = KBS
+    x, s = load_raw(ptr, bs, slot, mask, 0, stride_kr, stride_kbr, D, FMT, ASM)
+    return dequant(x, s, BN, D, FMT, CDT, False, ASM, KV.dtype.element_ty == tl.float8e5)
+
+
+@triton.jit
+def mla_decode_kernel(
+    Q,
+    KV,
+    KBS,
+    KSC,
+    PT,
+    SEQ,
+    OUT,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_kbr,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    sm_scale,
+    page_shift,
+    num_splits,
+    H,
+    DL: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FINAL: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Grid ``(cdiv(H, BLOCK_H), B, num_splits)``: the head blocks of a request run side by side,
+    so the latent tiles they share are read from DRAM once and from L2 by the others.
+
+    ``FINAL`` (one split): write ``out [B, H, DL]``; else the split's normalized partial output
+    ``PO [B*H, num_splits, DL]`` fp32 and its log2-sum-exp ``PL [B*H, num_splits]`` (an empty
+    split stores (0, -inf)) for ``decode.merge_kernel``, which applies the V factor."""
+    hb = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    page_mask = (1 << page_shift) - 1
+    seq = tl.load(SEQ + b)
+    chunk = tl.cdiv(tl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq)
+
+    kf = FP4_MUL
+    if HAS_SCALE:
+        kf = kf * tl.load(KSC)
+    qk_scale = sm_scale * kf * LOG2E
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    offs_l = tl.arange(0, DL)
+    offs_r = tl.arange(0, DR)
+    qrow = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_n = tl.load(qrow + offs_l[None, :], mask=hmask[:, None], other=0.0).to(CDT)
+    q_r = tl.load(qrow + DL + offs_r[None, :], mask=hmask[:, None], other=0.0).to(CDT)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DL], tl.float32)
+    pt_row = PT + b.to(tl.int64) * stride_pt
+    for s in range(start, end, BLOCK_N):
+        t = s + tl.arange(0, BLOCK_N)
+        tm = t < end
+        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+        kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
+        kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
+        if IS_F32:
+            qk = tl.dot(q_n, tl.trans(kn), input_precision="tf32x3")
+            qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="tf32x3")
+        else:
+            qk = tl.dot(q_n, tl.trans(kn))
+            qk = tl.dot(q_r, tl.trans(kr), acc=qk)
+        qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_F32:
+            acc = tl.dot(p, kn, acc=acc * alpha[:, None], input_precision="tf32x3")
+        else:
+            acc = tl.dot(p.to(CDT), kn, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if FINAL:
+        o = acc * (kf / l_safe)[:, None]
+        tl.store(
+            OUT + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
+            o.to(OUT.dtype.element_ty),
+            mask=hmask[:, None],
+        )
+    else:
+        o = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        row = (b * H + heads).to(tl.int64) * num_splits + split
+        tl.store(PO + row[:, None] * DL + offs_l[None, :], o, mask=hmask[:, None])
+        tl.store(PL + row, lse, mask=hmask)
+
+
+@triton.jit
+def mla_extend_kernel(
+    Q,
+    KV,
+    KBS,
+    KSC,
+    PT,
+    SEQ,
+    CU,
+    WORK,
+    OUT,
+    stride_qt,
+    stride_qh,
+    stride_kr,
+    stride_kbr,
+    stride_pt,
+    stride_ot,
+    stride_oh,
+    sm_scale,
+    blocks_per_req,
+    page_shift,
+    H,
+    DL: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FP4_MUL: tl.constexpr,
+    USE_WORK: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Grid ``(work items, cdiv(H, BLOCK_H))``: ``BLOCK_T`` new tokens x ``BLOCK_H`` heads of one
+    request per program (``BLOCK_T * BLOCK_H`` rows, row ``r`` = token ``r // BLOCK_H``, head
+    ``r % BLOCK_H``), causal over the request's cached prefix and new tokens.
+
+    ``USE_WORK``: ``WORK [n, 2]`` int32 lists (request, first new token of the block) of every
+    non-empty block; else program ``i`` takes request ``i // blocks_per_req``, block
+    ``i % blocks_per_req`` and exits when that block holds no new token."""
+    pid = tl.program_id(0)
+    hb = tl.program_id(1)
+    if USE_WORK:
+        b = tl.load(WORK + 2 * pid)
+        t0 = tl.load(WORK + 2 * pid + 1)
+    else:
+        b = pid // blocks_per_req
+        t0 = (pid % blocks_per_req) * BLOCK_T
+    q0 = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q0
+    if t0 >= q_len:
+        return
+    seq = tl.load(SEQ + b)
+    page_mask = (1 << page_shift) - 1
+
+    kf = FP4_MUL
+    if HAS_SCALE:
+        kf = kf * tl.load(KSC)
+    qk_scale = sm_scale * kf * LOG2E
+
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    tok = t0 + rows // BLOCK_H
+    heads = hb * BLOCK_H + rows % BLOCK_H
+    rmask = (tok < q_len) & (heads < H)
+    pos = seq - q_len + tok  # each row's position in its sequence
+    offs_l = tl.arange(0, DL)
+    offs_r = tl.arange(0, DR)
+    qrow = Q + (q0 + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_n = tl.load(qrow + offs_l[None, :], mask=rmask[:, None], other=0.0).to(CDT)
+    q_r = tl.load(qrow + DL + offs_r[None, :], mask=rmask[:, None], other=0.0).to(CDT)
+
+    m_i = tl.full([BLOCK_T * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_T * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_T * BLOCK_H, DL], tl.float32)
+    pt_row = PT + b.to(tl.int64) * stride_pt
+    end = tl.minimum(seq, seq - q_len + t0 + BLOCK_T)  # the block's last position + 1
+    for s in range(0, end, BLOCK_N):
+        t = s + tl.arange(0, BLOCK_N)
+        tm = t < end
+        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+        kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
+        kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
+        if IS_F32:
+            qk = tl.dot(q_n, tl.trans(kn), input_precision="tf32x3")
+            qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="tf32x3")
+        else:
+            qk = tl.dot(q_n, tl.trans(kn))
+            qk = tl.dot(q_r, tl.trans(kr), acc=qk)
+        keep = tm[None, :] & (t[None, :] <= pos[:, None])
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_F32:
+            acc = tl.dot(p, kn, acc=acc * alpha[:, None], input_precision="tf32x3")
+        else:
+            acc = tl.dot(p.to(CDT), kn, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc * (kf / l_safe)[:, None]
+    orow = OUT + (q0 + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(orow + offs_l[None, :], o.to(OUT.dtype.element_ty), mask=rmask[:, None])
