@@ -173,7 +173,9 @@ def test_captured_30_layer_step_replays_as_eager(dtype):
         for j, i in enumerate(layers):
             pool.write(i, loc, x["k"], x["v"])
             want = pool.decode(i, x["q"], pt, sl)
-            assert torch.equal(got[j], want), (n, i)
+            # (the eager plan is sized for n requests, the graph's for its bucket: split counts,
+            # and so the order of the fp32 sums, may differ)
+            torch.testing.assert_close(got[j].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
