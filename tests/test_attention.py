@@ -1759,3 +1759,42 @@ def test_pages_before_the_window_may_hold_anything(junk):
             else:
                 cu = torch.tensor([0, 3], dtype=torch.int32)
                 attention.extend(cache.view, q, cu, pt, cache.seq_lens, window=8, backend="torch")
+
+
+def test_numpy_batch_metadata_in_plans_and_entry_points():
+    """Issue 21 point 1: plans and pool entry points take the batch helpers' numpy int32 arrays.
+
+    The outputs equal those from the same values as torch tensors; the plans keep device copies.
+    """
+    np = pytest.importorskip("numpy")
+    import kvpool
+
+    plan = kvpool.size_for(
+        "meta-llama/Llama-3.1-8B", "bf16", 0.9, num_tokens=128, page_size=16, weights=0, gpu="H200"
+    )
+    pool = kvpool.KVPool(plan, device="cpu")
+    view = pool.layer(0)
+    gen = torch.Generator().manual_seed(0)
+    for t in (view.k, view.v):
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    pt_np = kvpool.page_table([np.array([1, 2], np.int32), np.array([3], np.int32)], 2)
+    sl_np = np.array([20, 5], dtype=np.int32)
+    pt, sl = torch.from_numpy(pt_np.copy()), torch.from_numpy(sl_np.copy())
+    q = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16)
+    want = pool.decode(0, q, pt, sl)
+    assert torch.equal(pool.decode(0, q, pt_np, sl_np), want)
+    p = attention.plan_decode(view, 32, pt_np, sl_np)
+    assert isinstance(p.page_table, torch.Tensor) and torch.equal(p.page_table, pt)
+    assert torch.equal(p.seq_lens, sl)
+    pt_np[:] = 0  # the plan holds a copy: refilling the caller's array changes nothing
+    assert torch.equal(pool.decode(0, q, plan=p), want)
+    cu_np = np.array([0, 1, 2], dtype=np.int32)
+    ext = pool.extend(0, q, cu_np, pt, sl_np)
+    assert torch.equal(ext, want)
+    pe = attention.plan_extend(view, 32, cu_np, pt, sl_np)
+    assert torch.equal(pe.cu_seqlens_q, torch.from_numpy(cu_np))
+    assert torch.equal(pool.extend(0, q, plan=pe), want)
+    with pytest.raises(ValueError, match=r"`seq_lens` is a numpy int64 array, expected numpy"):
+        attention.plan_decode(view, 32, pt, sl_np.astype(np.int64))
+    with pytest.raises(ValueError, match=r"`page_table` is a numpy float32 array"):
+        pool.decode(0, q, pt.numpy().astype(np.float32), sl)

@@ -713,3 +713,24 @@ def test_16_bit_caches_saturate_finite_inputs(mode, dtype, src, big, cap):
     y = torch.tensor([float("nan"), float("inf"), -float("inf"), big]).to(src)
     q, _ = formats.quantize(y, dtype)
     assert q[0].isnan() and q[1:].float().tolist() == [float("inf"), -float("inf"), cap]
+
+
+def test_write_takes_numpy_slots_as_the_batch_helpers_return_them():
+    """Issue 21 point 1: ``pool.write`` takes ``kvpool.decode_slots``' numpy int32 array."""
+    import numpy as np
+
+    plan = kvpool.size_for(
+        "meta-llama/Llama-3.1-8B", "bf16", 0.9, num_tokens=64, page_size=16, weights=0, gpu="H200"
+    )
+    pool = kvpool.KVPool(plan, device="cpu")
+    table = np.array([[1, 2], [3, 0]], dtype=np.int32)
+    seq = np.array([20, 5], dtype=np.int32)
+    loc = kvpool.decode_slots(table, seq, 16)  # page 2 offset 3 = 35, page 3 offset 4 = 52
+    assert loc.tolist() == [35, 52]
+    k = torch.randn(2, 8, 128).to(torch.bfloat16)
+    v = torch.randn(2, 8, 128).to(torch.bfloat16)
+    pool.write(0, loc, k, v)
+    assert torch.equal(pool.layer(0).k[[35, 52]], k)
+    assert torch.equal(pool.layer(0).v[[35, 52]], v)
+    with pytest.raises(ValueError, match=r"`loc` is a numpy float64 array, expected numpy int32"):
+        pool.write(0, loc.astype(np.float64), k, v)

@@ -33,6 +33,7 @@ import os
 from typing import TYPE_CHECKING
 
 from kvpool import formats
+from kvpool._host import as_device_tensor
 from kvpool._torch import torch
 
 if TYPE_CHECKING:
@@ -208,8 +209,10 @@ def write_kv(
     ----------
     layer : LayerView
         The layer's buffers (``pool.layer(i)``).
-    loc : torch.Tensor
-        ``[T]`` int32/int64 slot indices (``page * page_size + offset``), on the pool's device.
+    loc : torch.Tensor or numpy.ndarray
+        ``[T]`` int32/int64 slot indices (``page * page_size + offset``), on the pool's device,
+        or a numpy int32/int64 array (what :func:`kvpool.extend_slots` / :func:`kvpool.decode_slots`
+        return), copied there (pinned, ``non_blocking``: no sync).
     k : torch.Tensor
         ``[T, H, D]`` bf16/fp16/fp32 (any strides), K after rotary embedding (MLA: the latent).
     v : torch.Tensor or None
@@ -231,6 +234,7 @@ def write_kv(
         A shape, dtype or device that does not fit the layer; on the torch path (or with
         ``debug``) also out-of-range/repeated slots and non-finite values.
     """
+    loc = as_device_tensor("loc", loc, layer.k.device, (torch.int32, torch.int64))
     t = _check_inputs(layer, loc, k, v)
     triton_path = _use_triton(backend, layer.k.device)
     if debug or not triton_path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool._host import as_device_tensor
 from kvpool._torch import torch
 from kvpool.attention import variants
 from kvpool.attention._common import (
@@ -72,9 +73,11 @@ def decode(
     q : torch.Tensor
         ``[B, H_q, D]`` fp32/bf16/fp16, ``H_q`` a multiple of the KV heads; the query of the
         token at position ``seq_len - 1`` (its K/V already written).
-    page_table : torch.Tensor
-        ``[B, max_pages]`` int32 (omit when ``plan`` is given).
-    seq_lens : torch.Tensor
+    page_table : torch.Tensor or numpy.ndarray
+        ``[B, max_pages]`` int32 (omit when ``plan`` is given). Numpy int32 arrays (what the
+        batch helpers return) are copied to the pool's device (pinned, ``non_blocking``: no
+        sync); a plan holds them already copied, once per batch.
+    seq_lens : torch.Tensor or numpy.ndarray
         ``[B]`` int32, each in ``1 .. max_pages * page_size`` (omit when ``plan`` is given).
     sm_scale : float, optional
         Softmax scale, finite and > 0 (None: ``1 / sqrt(D)``).
@@ -114,6 +117,9 @@ def decode(
         ``plan`` made for another batch or one whose kernel cannot run this layer (a Gluon plan
         on a bf16 or fp32 view, another head_dim, ...).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
     if view.v is None:  # MLA: the absorbed latent kernels
         _refuse("decode", window=window, sinks=sinks, softcap=softcap)
         return mla_decode(

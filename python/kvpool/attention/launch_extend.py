@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool._host import as_device_tensor
 from kvpool._torch import torch
 from kvpool.attention._common import (
     _KERNEL_FORMAT,
@@ -73,11 +74,11 @@ def extend(
         ``sm_scale`` required, output ``[T, H, kv_lora_rank]``).
     q : torch.Tensor
         ``[T, H_q, D]`` fp32/bf16/fp16, ``T = cu_seqlens_q[-1]``.
-    cu_seqlens_q : torch.Tensor
+    cu_seqlens_q : torch.Tensor or numpy.ndarray
         ``[B + 1]`` int32, non-decreasing from 0 (omit when ``plan`` is given).
-    page_table : torch.Tensor
+    page_table : torch.Tensor or numpy.ndarray
         ``[B, max_pages]`` int32.
-    seq_lens : torch.Tensor
+    seq_lens : torch.Tensor or numpy.ndarray
         ``[B]`` int32, ``seq_lens[b] >= q_len_b``.
     sm_scale, window, sinks, softcap, backend, out
         As in :func:`decode` (``out`` is ``[T, H_q, Dv]``).
@@ -100,6 +101,10 @@ def extend(
         A tensor of the wrong shape, dtype or device (the message names it), a bad option;
         bad ``cu_seqlens_q``, ``seq_lens`` or page ids (see ``debug``).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, view.k.device)
     if view.v is None:  # MLA: the absorbed latent kernels
         _refuse("extend", window=window, sinks=sinks, softcap=softcap)
         return mla_extend(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from kvpool._host import as_device_tensor
 from kvpool._torch import torch
 from kvpool.attention import splits, variants
 from kvpool.attention._common import _FP4, _pow2
@@ -209,8 +212,10 @@ def plan_decode(
         Any layer of the pool (only its geometry is used).
     num_q_heads : int
         Query heads per rank.
-    page_table, seq_lens : torch.Tensor
-        As in :func:`decode`.
+    page_table, seq_lens : torch.Tensor or numpy.ndarray
+        As in :func:`decode`; numpy int32 arrays (what :func:`kvpool.page_table` returns) are
+        copied to ``view``'s device here, once per batch (pinned, ``non_blocking``: no sync),
+        and the plan keeps the device copies.
     max_seq_len : int, optional
         Longest request in tokens, if known on the host; sizes the splits (default: the page
         table's capacity, ``max_pages * page_size``). No device value is read.
@@ -272,6 +277,9 @@ def plan_decode(
     (``num_splits``, ``block_n``, ``num_warps``, ``num_stages``, ``asm``, ``kv_lora_rank``
     apply; the other knobs are refused).
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
     if view.v is None:
         _refuse_knobs(
             use_dot=use_dot, prefetch=prefetch, swap=swap, group_pad=group_pad, maxnreg=maxnreg,
@@ -475,12 +483,20 @@ def plan_extend(
 ) -> ExtendPlan | MLAExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
-    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer) and checks it
-    (ValueError unless non-decreasing from 0). Tile options
-    left as None take the measured defaults (``_extend_tiles``); ``asm=None`` the default
-    decode path of the dtype (word-level for FP4). An MLA layer is planned by
+    Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer; none when it
+    is a numpy array) and checks it (ValueError unless non-decreasing from 0). ``cu_seqlens_q``,
+    ``page_table`` and ``seq_lens`` may be numpy int32 arrays (the batch helpers' output):
+    copied to ``view``'s device once here (pinned, ``non_blocking``); the plan keeps the
+    copies. Tile options left as None take the measured defaults (``_extend_tiles``);
+    ``asm=None`` the default decode path of the dtype (word-level for FP4). An MLA layer is
+    planned by
     :func:`kvpool.attention.mla.plan_mla_extend`.
     """
+    # numpy batch metadata (what the Rust batch helpers return): to the device once
+    page_table = as_device_tensor("page_table", page_table, view.k.device)
+    seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
+    cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None  # (read as is)
+    cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, view.k.device)
     if view.v is None:
         return plan_mla_extend(
             view, num_q_heads, cu_seqlens_q, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
@@ -494,7 +510,7 @@ def plan_extend(
     )
     _check_fp4_tile(view, block_n)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu_host = cu_seqlens_q.cpu()
+    cu_host = cu_seqlens_q.cpu() if cu_np is None else torch.from_numpy(cu_np)
     _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
     cu = cu_host.tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
