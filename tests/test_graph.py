@@ -179,6 +179,8 @@ def test_captured_30_layer_step_replays_as_eager(dtype):
 
 
 @pytest.mark.gpu
+# (torch warns that the sync debug mode is a prototype each time it is switched on)
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode:UserWarning")
 def test_planned_decode_step_never_syncs():
     """write + decode with a plan over numpy metadata: no host<->device sync (issue 22)."""
     if not torch.cuda.is_available():
