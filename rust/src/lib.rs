@@ -10,6 +10,7 @@ pub mod layout;
 pub mod model;
 pub mod radix;
 pub mod sizing;
+pub mod window;
 
 #[cfg(feature = "python")]
 mod py;

@@ -71,6 +71,8 @@ fn out_of_pages(msg: String, requested: usize, free: usize, evictable: usize) ->
 fn alloc_err(e: AllocError, msg: String) -> PyErr {
     match e {
         AllocError::OutOfPages { requested, free, evictable } => out_of_pages(msg, requested, free, evictable),
+        AllocError::OutOfStateSlots { requested, free } => out_of_pages(msg, requested, free, 0),
+        AllocError::InStateSlots(inner) => alloc_err(*inner, msg),
         AllocError::ZeroPages | AllocError::ZeroPageSize | AllocError::TooManySlots { .. } | AllocError::Negative { .. } => {
             InvalidArgumentError::new_err(msg)
         }
@@ -80,7 +82,8 @@ fn alloc_err(e: AllocError, msg: String) -> PyErr {
         | AllocError::Duplicate { .. }
         | AllocError::OnlyCached { .. }
         | AllocError::AlreadyCached { .. }
-        | AllocError::RefOverflow { .. } => PageError::new_err(msg),
+        | AllocError::RefOverflow { .. }
+        | AllocError::OverReleased { .. } => PageError::new_err(msg),
     }
 }
 
@@ -130,6 +133,7 @@ impl From<Error> for PyErr {
             Error::Sizing(_) => SizingError::new_err(msg),
             Error::Alloc(a) => alloc_err(a, msg),
             Error::Radix(r) => radix_err(r, msg),
+            Error::Batch(crate::batch::BatchError::Page { source, .. }) => alloc_err(source, msg),
             Error::Batch(_) => BatchError::new_err(msg),
         }
     }
