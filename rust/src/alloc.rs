@@ -77,8 +77,14 @@ pub enum AllocError {
     RefOverflow { page: u32 },
     #[error("`{what}` must not be negative, got `{value}`")]
     Negative { what: &'static str, value: i64 },
-    #[error("page `{page}` is listed {listed} times but has {holders} reference(s) a holder can drop")]
-    OverReleased { page: u32, listed: usize, holders: u32 },
+    #[error(
+        "page `{page}` is listed {listed} times but has {holders} reference(s) a holder can drop"
+    )]
+    OverReleased {
+        page: u32,
+        listed: usize,
+        holders: u32,
+    },
     #[error("out of state slots: asked for `{requested}`, {free} free (one slot per running request of a model with linear-attention layers)")]
     OutOfStateSlots { requested: usize, free: usize },
     #[error("state slot pool (slot ids are 1..=num_slots; slot 0 is padding): {0}")]
@@ -236,9 +242,12 @@ impl PageAllocator {
     fn unit_err(&self, e: AllocError) -> AllocError {
         match (self.unit, e) {
             (Unit::Page, e) => e,
-            (Unit::StateSlot, AllocError::OutOfPages { requested, free, .. }) => {
-                AllocError::OutOfStateSlots { requested, free }
-            }
+            (
+                Unit::StateSlot,
+                AllocError::OutOfPages {
+                    requested, free, ..
+                },
+            ) => AllocError::OutOfStateSlots { requested, free },
             (Unit::StateSlot, e) => AllocError::InStateSlots(Box::new(e)),
         }
     }

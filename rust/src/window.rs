@@ -184,10 +184,21 @@ mod tests {
                         if table[e] == 0 && (s as usize - 1) % ps == 0 {
                             table[e] = a.alloc_i32(1).unwrap()[0];
                         }
-                        release_window_pages(&mut a, &mut table, max_pages, &[s], w, d, Some(&mut fl))
-                            .unwrap();
+                        release_window_pages(
+                            &mut a,
+                            &mut table,
+                            max_pages,
+                            &[s],
+                            w,
+                            d,
+                            Some(&mut fl),
+                        )
+                        .unwrap();
                         let held = table.iter().filter(|&&p| p != 0).count();
-                        assert!(held <= bound(s as usize, w, d, ps), "ps {ps} w {w} d {d} s {s}");
+                        assert!(
+                            held <= bound(s as usize, w, d, ps),
+                            "ps {ps} w {w} d {d} s {s}"
+                        );
                         assert_eq!(held, a.num_used(), "no page leaked");
                         // Exactly the pages that intersect the kept positions.
                         let lo = (s as usize).saturating_sub(w + d) / ps;
@@ -217,10 +228,16 @@ mod tests {
                 source: AllocError::NotAllocated { page: 6 }
             }
         );
-        assert_eq!((table.clone(), a.ref_counts(), fl.clone()), (before.0.clone(), before.1, vec![0, 0]));
+        assert_eq!(
+            (table.clone(), a.ref_counts(), fl.clone()),
+            (before.0.clone(), before.1, vec![0, 0])
+        );
         assert!(matches!(
             release_window_pages(&mut a, &mut table, 3, &[6], 2, 0, None),
-            Err(BatchError::Length { what: "page_table", .. })
+            Err(BatchError::Length {
+                what: "page_table",
+                ..
+            })
         ));
         assert!(matches!(
             release_window_pages(&mut a, &mut table, 3, &[6, 6], 0, 0, None),
@@ -228,7 +245,11 @@ mod tests {
         ));
         assert!(matches!(
             release_window_pages(&mut a, &mut table, 3, &[6, 6], 2, 0, Some(&mut [0, 4])),
-            Err(BatchError::FirstLive { index: 1, value: 4, .. })
+            Err(BatchError::FirstLive {
+                index: 1,
+                value: 4,
+                ..
+            })
         ));
         assert!(matches!(
             release_window_pages(&mut a, &mut table, 3, &[7, 0], 2, 0, None),
@@ -237,9 +258,22 @@ mod tests {
         // A page shared by two rows drops two references; listed more often than held: refused.
         let mut table = vec![p[0], p[1], 0, p[0], p[2], 0];
         let err = release_window_pages(&mut a, &mut table, 3, &[4, 4], 2, 0, None).unwrap_err();
-        assert!(matches!(err, BatchError::Page { index: 0, entry: 0, .. }), "{err:?}");
+        assert!(
+            matches!(
+                err,
+                BatchError::Page {
+                    index: 0,
+                    entry: 0,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
         a.inc_ref(&p[..1]).unwrap();
-        assert_eq!(release_window_pages(&mut a, &mut table, 3, &[4, 4], 2, 0, None).unwrap(), 2);
+        assert_eq!(
+            release_window_pages(&mut a, &mut table, 3, &[4, 4], 2, 0, None).unwrap(),
+            2
+        );
         assert_eq!(table, vec![0, p[1], 0, 0, p[2], 0]);
         assert_eq!(a.num_used(), 2);
     }

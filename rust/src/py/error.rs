@@ -98,6 +98,14 @@ fn radix_err(e: RadixError, msg: String) -> PyErr {
         RadixError::NotLocked { .. } | RadixError::LockOverflow { .. } => LockError::new_err(msg),
         RadixError::Locked { .. } => CacheBusyError::new_err(msg),
         RadixError::Corrupt(_) => CacheCorruptError::new_err(msg),
+        RadixError::GroupPage { source, .. } => alloc_err(source, msg),
+        RadixError::GroupAllocators { .. }
+        | RadixError::BadGroup { .. }
+        | RadixError::GroupCount { .. }
+        | RadixError::GroupLength { .. }
+        | RadixError::StateNotAligned { .. }
+        | RadixError::NoStatePool
+        | RadixError::SharedAllocator => InvalidArgumentError::new_err(msg),
     }
 }
 

@@ -47,9 +47,10 @@ fn release_window_pages(
         })
         .transpose()?;
     let fs = match fw.as_mut() {
-        Some(w) => Some(w.as_slice_mut().map_err(|_| {
-            array_type_error(py, "`first_live` must be C-contiguous".into())
-        })?),
+        Some(w) => Some(
+            w.as_slice_mut()
+                .map_err(|_| array_type_error(py, "`first_live` must be C-contiguous".into()))?,
+        ),
         None => None,
     };
     // Computed under the allocator's lock; the error becomes a Python object after it is dropped.
