@@ -17,6 +17,10 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::AllocError;
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
+#[path = "radix_groups.rs"]
+mod groups;
+use groups::Groups;
+
 /// A handle to a radix node, from `match_prefix`; pass it to `lock` / `unlock`.
 #[pyclass(name = "RadixNode", module = "kvpool._core", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
@@ -106,6 +110,8 @@ pub(crate) struct PyRadixCache {
     alloc: Shared,
     allocator: Py<PyPageAllocator>,
     cache: Mutex<RadixCache>,
+    /// Hybrid models: the sliding groups' and the state pool's allocators (see `radix_groups.rs`).
+    groups: Groups,
 }
 
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
@@ -114,21 +120,22 @@ type PathPair<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>);
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None))]
-    fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<Int>) -> PyResult<Self> {
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None))]
+    fn new(
+        allocator: Bound<'_, PyPageAllocator>,
+        page_size: Option<Int>,
+        sliding: Option<Vec<(Bound<'_, PyPageAllocator>, Int)>>,
+        state_slots: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let alloc = allocator.get().inner.clone();
-        let cache = {
-            let a = guard(&alloc);
-            let ps = page_size
-                .map(|p| count("page_size", p.0))
-                .transpose()?
-                .unwrap_or(a.page_size());
-            RadixCache::new(&a, ps).map_err(to_py)?
-        };
+        let groups = Groups::from_py(&alloc, sliding, state_slots)?;
+        let ps = page_size.map(|p| count("page_size", p.0)).transpose()?;
+        let cache = groups.build(&alloc, ps).map_err(to_py)?;
         Ok(Self {
             alloc,
             allocator: allocator.unbind(),
             cache: Mutex::new(cache),
+            groups,
         })
     }
 
@@ -149,13 +156,19 @@ impl PyRadixCache {
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
     }
 
-    #[pyo3(signature = (tokens, pages, namespace=None))]
+    #[pyo3(signature = (tokens, pages, namespace=None, *, sliding_pages=None, state_slot=None))]
     fn insert(
         &self,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
+        sliding_pages: Option<Vec<Bound<'_, PyAny>>>,
+        state_slot: Option<Int>,
     ) -> PyResult<usize> {
+        if self.groups.is_hybrid() || sliding_pages.is_some() || state_slot.is_some() {
+            let state = state_slot.map_or(0, |s| s.0);
+            return self.insert_groups(tokens, pages, namespace, sliding_pages, state);
+        }
         let ns = self::namespace(namespace)?;
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
@@ -199,12 +212,20 @@ impl PyRadixCache {
 
     fn evict(&self, num_tokens: Int) -> PyResult<usize> {
         let n = count("num_tokens", num_tokens.0)?;
+        if self.groups.is_hybrid() {
+            let r = self.with_spaces(|c, a, o| c.evict_with(a, o, n));
+            return r.map_err(to_py);
+        }
         let mut c = guard(&self.cache);
         c.evict(&mut guard(&self.alloc), n).map_err(to_py)
     }
 
     fn alloc<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", n.0)?;
+        if self.groups.is_hybrid() {
+            let r = self.with_spaces(|c, a, o| c.alloc_i32_with(a, o, n));
+            return Ok(PyArray1::from_vec(py, r.map_err(to_py)?));
+        }
         let mut c = guard(&self.cache);
         let pages = c.alloc_i32(&mut guard(&self.alloc), n).map_err(to_py)?;
         Ok(PyArray1::from_vec(py, pages))
@@ -216,6 +237,14 @@ impl PyRadixCache {
         n: Int,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n.0)?;
+        if self.groups.is_hybrid() {
+            let r = self.with_spaces(|c, a, o| c.alloc_i32_with(a, o, n));
+            return match r {
+                Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
+                Err(RadixError::Page(AllocError::OutOfPages { .. })) => Ok(None),
+                Err(e) => Err(to_py(e)),
+            };
+        }
         let mut c = guard(&self.cache);
         match c.alloc_i32(&mut guard(&self.alloc), n) {
             Ok(pages) => Ok(Some(PyArray1::from_vec(py, pages))),
@@ -225,11 +254,18 @@ impl PyRadixCache {
     }
 
     fn reset(&self) -> PyResult<()> {
+        if self.groups.is_hybrid() {
+            return self.with_spaces(|c, a, o| c.reset_with(a, o)).map_err(to_py);
+        }
         let mut c = guard(&self.cache);
         c.reset(&mut guard(&self.alloc)).map_err(to_py)
     }
 
     fn check_invariants(&self) -> PyResult<()> {
+        if self.groups.is_hybrid() {
+            let r = self.with_spaces(|c, a, o| c.check_invariants_with(a, o));
+            return r.map_err(to_py);
+        }
         let c = guard(&self.cache);
         c.check_invariants(&guard(&self.alloc)).map_err(to_py)
     }
@@ -279,6 +315,54 @@ impl PyRadixCache {
     #[getter]
     fn num_nodes(&self) -> usize {
         guard(&self.cache).num_nodes()
+    }
+
+    // --- hybrid models (see `radix_groups.rs`) ---
+
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix_groups<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<groups::GroupMatchTuple<'py>> {
+        self.match_groups(py, tokens, namespace)
+    }
+
+    fn alloc_sliding<'py>(
+        &self,
+        py: Python<'py>,
+        group: Int,
+        n: Int,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let g = count("group", group.0)?;
+        self.alloc_group(py, Some(g), n)
+    }
+
+    fn alloc_state_slots<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.alloc_group(py, None, n)
+    }
+
+    #[pyo3(signature = (namespace=None))]
+    fn leaf_paths_groups<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<groups::GroupPathTuple<'py>>> {
+        self.paths_groups(py, namespace)
+    }
+
+    #[getter]
+    fn sliding(&self, py: Python<'_>) -> Vec<(Py<PyPageAllocator>, usize)> {
+        self.sliding_objs(py)
+    }
+    #[getter]
+    fn state_slots(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.state_obj(py)
+    }
+    #[getter]
+    fn has_state_slots(&self) -> bool {
+        guard(&self.cache).has_state_slots()
     }
 
     fn __repr__(&self) -> String {
