@@ -87,8 +87,8 @@ def test_decode_with_drafts_holds_the_bound_and_leaks_nothing(ps, w, d, b, use_f
             assert len(held) <= bound(int(new[i]), w, d, ps)
         assert a.num_used == np.count_nonzero(table)
         # Commit: accept some drafts, free the pages past the accepted length, release again.
-        accepted = [data.draw(st.integers(0, min(d, int(new[i] - seq[i])))) for i in range(b)]
-        keep = new - np.array(accepted, dtype=np.int64)
+        rejected = [data.draw(st.integers(0, min(d, int(new[i] - seq[i])))) for i in range(b)]
+        keep = new - np.array(rejected, dtype=np.int64)
         for i in range(b):
             lo = -(-int(keep[i]) // ps)
             gone = table[i, lo:][table[i, lo:] != 0]
