@@ -181,7 +181,7 @@ mod tests {
                     let mut fl = vec![0i32];
                     for s in 1..=(max_pages * ps) as i64 {
                         let e = (s as usize - 1) / ps;
-                        if table[e] == 0 && (s as usize - 1) % ps == 0 {
+                        if table[e] == 0 && (s as usize - 1).is_multiple_of(ps) {
                             table[e] = a.alloc_i32(1).unwrap()[0];
                         }
                         release_window_pages(
