@@ -21,5 +21,7 @@ pub use dtype::{ElemDtype, KvDtype, ScaleKind};
 pub use error::{Error, Result};
 pub use layout::{BufferTemplate, Layout, LayoutConfig, Nvfp4Recipe, Role, Tensor, PADDING_PAGE};
 pub use model::{LayerKind, LinearState, Mla, ModelGeometry};
-pub use radix::{Handle, Match, Namespace, NodeId, RadixCache, RadixError};
+pub use radix::{
+    GroupMatch, GroupPath, Handle, Match, Namespace, NodeId, Others, RadixCache, RadixError,
+};
 pub use sizing::{capacity, kv_budget, Plan};

@@ -255,7 +255,9 @@ impl PyRadixCache {
 
     fn reset(&self) -> PyResult<()> {
         if self.groups.is_hybrid() {
-            return self.with_spaces(|c, a, o| c.reset_with(a, o)).map_err(to_py);
+            return self
+                .with_spaces(|c, a, o| c.reset_with(a, o))
+                .map_err(to_py);
         }
         let mut c = guard(&self.cache);
         c.reset(&mut guard(&self.alloc)).map_err(to_py)
@@ -339,7 +341,11 @@ impl PyRadixCache {
         self.alloc_group(py, Some(g), n)
     }
 
-    fn alloc_state_slots<'py>(&self, py: Python<'py>, n: Int) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn alloc_state_slots<'py>(
+        &self,
+        py: Python<'py>,
+        n: Int,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         self.alloc_group(py, None, n)
     }
 

@@ -47,7 +47,10 @@ impl Groups {
             } else {
                 return Err(InvalidArgumentError::new_err(format!(
                     "`state_slots` must be a StateSlotAllocator (or a PageAllocator), got `{}`",
-                    s.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                    s.get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
                 )));
             };
             g.state = Some((inner, s.unbind()));
@@ -69,7 +72,11 @@ impl Groups {
         !self.sliding.is_empty() || self.state.is_some()
     }
 
-    pub(super) fn build(&self, full: &Shared, page_size: Option<usize>) -> Result<RadixCache, RadixError> {
+    pub(super) fn build(
+        &self,
+        full: &Shared,
+        page_size: Option<usize>,
+    ) -> Result<RadixCache, RadixError> {
         let a = guard(full);
         let ps = page_size.unwrap_or(a.page_size());
         let gs: Vec<MutexGuard<'_, PageAllocator>> =

@@ -18,12 +18,7 @@ fn hybrid(ps: u64, window: usize) -> Hybrid {
 }
 
 impl Hybrid {
-    fn insert(
-        &mut self,
-        tokens: &[i32],
-        sliding: &[i32],
-        state: i32,
-    ) -> Result<usize, RadixError> {
+    fn insert(&mut self, tokens: &[i32], sliding: &[i32], state: i32) -> Result<usize, RadixError> {
         let pages = self.full.alloc_i32(sliding.len()).unwrap();
         let mut o = Others {
             sliding: vec![&mut self.sw],
