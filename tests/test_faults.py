@@ -329,7 +329,9 @@ def test_release_mode_hands_out_plain_arrays():
 # --- docs of the Rust classes ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [kvpool.PageAllocator, kvpool.RadixCache, kvpool.RadixNode])
+@pytest.mark.parametrize(
+    "cls", [kvpool.PageAllocator, kvpool.StateSlotAllocator, kvpool.RadixCache, kvpool.RadixNode]
+)
 def test_every_public_method_of_the_rust_classes_has_a_docstring(cls):
     """`help(kvpool.RadixCache.match_prefix)` showed no text: PyO3 takes the `///` comments."""
     assert cls.__doc__ and len(cls.__doc__) > 40

@@ -21,11 +21,13 @@ from kvpool._core import (
     RadixNode,
     SizingError,
     StaleNodeError,
+    StateSlotAllocator,
     assign_pages,
     decode_slots,
     extend_slots,
     page_table,
     pages_needed,
+    release_window_pages,
 )
 from kvpool._version import __version__ as __version__
 from kvpool.config import ModelSpec
@@ -52,12 +54,14 @@ __all__ = [
     "RadixNode",
     "SizingError",
     "StaleNodeError",
+    "StateSlotAllocator",
     "assign_pages",
     "compare",
     "decode_slots",
     "extend_slots",
     "page_table",
     "pages_needed",
+    "release_window_pages",
     "size_for",
 ]
 

@@ -32,6 +32,7 @@ __all__ = [
     "kv_budget_bytes",
     "plan",
     "PageAllocator",
+    "StateSlotAllocator",
     "RadixNode",
     "RadixCache",
     "page_table",
@@ -39,6 +40,7 @@ __all__ = [
     "assign_pages",
     "extend_slots",
     "decode_slots",
+    "release_window_pages",
 ]
 
 KV_DTYPES: list[str]
@@ -297,6 +299,63 @@ class PageAllocator:
     def debug(self) -> bool:
         """Whether generation checks are on (``debug=True``)."""
 
+@final
+class StateSlotAllocator:
+    """Linear-attention state slots ``1..num_slots``, one per running request (slot 0 is padding).
+
+    The same core type as ``PageAllocator`` (a pool of page size 1): atomic, ref-counted, so a
+    ``RadixCache`` can hold a saved state (a checkpoint) as it holds a page. Errors name state
+    slots: ``OutOfPagesError`` ("out of state slots", ``evictable`` 0) and ``PageError``.
+
+    Parameters
+    ----------
+    num_slots : int
+        Usable slots (slot 0, the padding slot, comes on top), e.g. the plan's state slots.
+
+    Examples
+    --------
+    >>> import kvpool
+    >>> s = kvpool.StateSlotAllocator(4)
+    >>> slot = s.alloc(1)  # at admission
+    >>> slot.tolist(), s.num_free
+    ([1], 3)
+    >>> s.free(slot)  # when the request finishes
+    """
+
+    def __new__(cls, num_slots: int) -> Self: ...
+    def alloc(self, n: int) -> _Int32Array:
+        """Hands out ``n`` slots, one reference each.
+
+        Raises
+        ------
+        OutOfPagesError
+            Fewer than ``n`` slots are free (message names state slots; nothing is allocated).
+        """
+    def try_alloc(self, n: int) -> _Int32Array | None:
+        """As ``alloc``, but returns None when fewer than ``n`` slots are free."""
+    def free(self, slots: _IntArray) -> None:
+        """Drops one reference on each slot; at zero it is free again.
+
+        Raises
+        ------
+        PageError
+            Padding slot 0, out of range, already free, repeated, or held only by the cache
+            (nothing changes).
+        """
+    def inc_ref(self, slots: _IntArray) -> None:
+        """Adds one reference to each (allocated, listed once) slot."""
+    def ref_counts(self) -> npt.NDArray[np.uint32]:
+        """A copy of every slot's reference count, index 0 (padding) included."""
+    @property
+    def num_free(self) -> int:
+        """Slots with no reference."""
+    @property
+    def num_used(self) -> int:
+        """Slots with at least one reference."""
+    @property
+    def num_slots(self) -> int:
+        """Usable slots (ids ``1..num_slots``)."""
+
 # --- radix cache ---------------------------------------------------------------------------------
 
 @final
@@ -318,9 +377,27 @@ class RadixCache:
     Parameters
     ----------
     allocator : PageAllocator
-        The allocator whose pages the cache stores.
+        The allocator whose pages the cache stores (the full-attention page space).
     page_size : int, optional
         Must equal ``allocator.page_size`` (the default).
+    sliding : list of (PageAllocator, int), optional
+        Hybrid models: each sliding-window page space's allocator and its window in tokens
+        (same page size). Each cached page then also records that group's page (0 where the
+        request had released it).
+    state_slots : StateSlotAllocator, optional
+        Models with linear-attention layers: the state-slot pool. A match then needs a state
+        saved exactly at its end (``insert(..., state_slot=...)`` at page-aligned points), so
+        without checkpoints every match has length 0 (``has_state_slots`` says so).
+
+    Notes
+    -----
+    A hybrid cache (``sliding`` or ``state_slots`` given) matches only as long as every group
+    can serve: all full-attention pages of the prefix, the sliding pages of the last ``window``
+    tokens before the match point (none released), and a saved state there. ``match_prefix``
+    returns that length too; ``match_prefix_groups`` also returns each group's pages and the
+    state slot. Eviction releases every group's pages and state slots with the node. Calls that
+    touch pages lock the cache, then the full allocator, the sliding ones in order, the state
+    pool: the same allocator may not serve two spaces (``InvalidArgumentError``).
 
     Examples
     --------
@@ -337,7 +414,14 @@ class RadixCache:
     ([1, 2], 4)
     """
 
-    def __new__(cls, allocator: PageAllocator, page_size: int | None = None) -> Self: ...
+    def __new__(
+        cls,
+        allocator: PageAllocator,
+        page_size: int | None = None,
+        *,
+        sliding: list[tuple[PageAllocator, int]] | None = None,
+        state_slots: StateSlotAllocator | PageAllocator | None = None,
+    ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
     ) -> tuple[_Int32Array, RadixNode, int]:
@@ -357,6 +441,9 @@ class RadixCache:
         tokens: _IntArray,
         pages: _IntArray | tuple[_IntArray, ...] | list[_IntArray],
         namespace: _Namespace = None,
+        *,
+        sliding_pages: list[_IntArray] | None = None,
+        state_slot: int | None = None,
     ) -> int:
         """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
 
@@ -370,13 +457,71 @@ class RadixCache:
         same result, without building the concatenated array (only the pages the cache takes
         are read).
 
+        Hybrid caches: ``sliding_pages`` (required) holds one int32 array per sliding group,
+        one entry per page as ``pages`` (the request's sliding page-table row; 0 where
+        released); the cache takes a reference on the live ones of the part not cached yet.
+        ``state_slot`` (optional) holds the linear-attention state after exactly ``tokens``
+        (``len(tokens)`` a positive multiple of ``page_size``): the cache takes a reference on
+        it unless a state is saved there already. The caller frees its own references as usual.
+
         Raises
         ------
         InvalidArgumentError
-            Mismatched lengths, a token beyond int32.
+            Mismatched lengths, a token beyond int32; a missing or misshapen ``sliding_pages``;
+            ``state_slot`` on a cache without a state pool or at a point not page-aligned.
         PageError
-            A bad page id, or a page of the new part that is free, repeated or already cached.
+            A bad page id, or a page of the new part that is free, repeated or already cached
+            (``sliding_pages[g]`` named for a sliding page; state slots named as such).
         """
+    def match_prefix_groups(
+        self, tokens: _IntArray, namespace: _Namespace = None
+    ) -> tuple[_Int32Array, RadixNode, int, list[_Int32Array], int]:
+        """``match_prefix`` of a hybrid cache, with every group's part.
+
+        Returns ``(pages, node, matched_len, sliding_pages, state_slot)``: ``matched_len`` is
+        the longest page-aligned prefix every group serves (see the class notes);
+        ``sliding_pages[g]`` has one int32 entry per matched page, the pages of the last
+        ``window`` tokens before ``matched_len`` and 0 before them (a request's page-table row;
+        its ``first_live`` is the first nonzero entry); ``state_slot`` is the state saved after
+        ``matched_len`` tokens (0 for an empty match or no state pool).
+
+        The pages are the cache's, kept by ``lock(node)``. A request that will release its
+        sliding pages with ``release_window_pages`` first takes its own reference on the
+        matched ones (``allocator.inc_ref(pages[pages != 0])``); it copies the state out of the
+        slot into its own (the cache's slot is never written).
+        """
+    def alloc_sliding(self, group: int, n: int) -> _Int32Array:
+        """``alloc`` for sliding group ``group`` (an index into ``sliding``): evicts LRU
+        entries until ``n`` pages of that space are free.
+
+        Raises
+        ------
+        OutOfPagesError
+            Not even evicting everything evictable would free enough; nothing changed.
+        """
+    def alloc_state_slots(self, n: int) -> _Int32Array:
+        """``alloc`` for the state-slot pool (evicting checkpoints LRU first).
+
+        Raises
+        ------
+        OutOfPagesError
+            Not enough state slots even after evicting all that is evictable; nothing changed.
+        """
+    def leaf_paths_groups(
+        self, namespace: _Namespace = None
+    ) -> list[tuple[_Int32Array, _Int32Array, list[_Int32Array], _Int32Array]]:
+        """Every root-to-leaf path as (tokens, pages, sliding pages per group, states), where
+        ``states[j]`` is the state slot saved after ``j + 1`` pages (0: none); for tests."""
+    @property
+    def sliding(self) -> list[tuple[PageAllocator, int]]:
+        """The sliding groups' allocators and windows (empty for a plain cache)."""
+    @property
+    def state_slots(self) -> StateSlotAllocator | PageAllocator | None:
+        """The state-slot pool, or None."""
+    @property
+    def has_state_slots(self) -> bool:
+        """Whether matches need a saved linear-attention state: only checkpoints inserted with
+        ``state_slot`` can match; with none, every match has length 0."""
     def lock(self, node: RadixNode) -> None:
         """Protects the node and its path to the root from eviction (counted)."""
     def unlock(self, node: RadixNode) -> None:
@@ -484,3 +629,68 @@ def decode_slots(
     page_table: _Int32Array, seq_lens: _IntArray, page_size: int, *, out: _Int32Array | None = None
 ) -> _Int32Array:
     """Slot of each request's last token (position ``seq_lens[i] - 1``) for a decode step."""
+
+def release_window_pages(
+    allocator: PageAllocator,
+    page_table: _Int32Array,
+    seq_lens: _IntArray,
+    window: int,
+    *,
+    num_draft_tokens: int = 0,
+    first_live: _Int32Array | None = None,
+) -> int:
+    """Frees the pages of a sliding-window page space that no query reads again, for a batch.
+
+    A sliding layer's query at position ``p`` reads positions ``p - window + 1 .. p``. After the
+    call, request ``i`` holds exactly the pages that intersect positions
+    ``[max(0, seq_lens[i] - window - num_draft_tokens), seq_lens[i] - 1]``: at most
+    ``ceil(min(n, window + d) / page_size) + (1 if page_size > 1 else 0)`` pages, what the
+    sizing plan counts per request. Released entries of ``page_table`` become 0 (the padding
+    page; the kernels never read before the window), so the table keeps its meaning.
+
+    Parameters
+    ----------
+    allocator : PageAllocator
+        The sliding group's allocator (its ``page_size`` is used).
+    page_table : ndarray of int32, shape [B, max_pages]
+        The group's page table, C-contiguous; updated in place.
+    seq_lens : ndarray of int32 or int64, shape [B]
+        Tokens per request after the current step, draft tokens included. For a decode step
+        (one new token) the call may come before the forward: its query at ``seq_lens - 1``
+        reads only kept positions. For an extend step call it after the forward.
+    window : int
+        The window in tokens (>= 1).
+    num_draft_tokens : int, optional
+        Tokens of the current step a speculative verify may still roll back: the pages they
+        could roll back into are kept; call again with 0 once the step commits.
+    first_live : ndarray of int32, shape [B], optional
+        The first entry each request may still hold; read and advanced in place, so a call
+        costs O(B + pages released) (without it each row is looked at from entry 0). Start at
+        0, or at the first nonzero entry of a row from ``match_prefix_groups``.
+
+    Returns
+    -------
+    int
+        References dropped (one per released entry; a page shared by several rows drops one
+        reference per row, and a page the prefix cache also holds keeps the cache's).
+
+    Raises
+    ------
+    BatchError
+        Mismatched lengths, negative or too long ``seq_lens``, a row too narrow for its
+        request, ``window`` 0, ``first_live`` outside ``0..max_pages``.
+    PageError
+        ``page_table[i, j]`` names a page out of range, free, held only by the prefix cache, or
+        listed more often than it has references. Nothing changes on any error.
+
+    Examples
+    --------
+    >>> import numpy as np, kvpool
+    >>> a = kvpool.PageAllocator(8, 4)
+    >>> table = a.alloc(3).reshape(1, 3)  # 10 tokens on pages 1, 2, 3
+    >>> first_live = np.zeros(1, dtype=np.int32)
+    >>> kvpool.release_window_pages(a, table, np.array([10]), 4, first_live=first_live)
+    1
+    >>> table.tolist(), first_live.tolist(), a.num_used
+    ([[0, 2, 3]], [1], 2)
+    """

@@ -83,6 +83,18 @@ pub enum AllocError {
     NoMemory { what: String, bytes: u64 },
     #[error("page `{page}` was freed and handed out again after this array got it (generation {granted}, now {now}): double free after reuse")]
     Reused { page: u32, granted: u32, now: u32 },
+    #[error(
+        "page `{page}` is listed {listed} times but has {holders} reference(s) a holder can drop"
+    )]
+    OverReleased {
+        page: u32,
+        listed: usize,
+        holders: u32,
+    },
+    #[error("out of state slots: asked for `{requested}`, {free} free (one slot per running request of a model with linear-attention layers)")]
+    OutOfStateSlots { requested: usize, free: usize },
+    #[error("state slot pool (slot ids are 1..=num_slots; slot 0 is padding): {0}")]
+    InStateSlots(Box<AllocError>),
 }
 
 /// `len` elements of `T` reserved in a new vector, or [`AllocError::NoMemory`] naming `what`:
@@ -151,10 +163,19 @@ const fn ref_total(s: Slot) -> u32 {
     (refs(s) & HOLDERS) + (refs(s) >> 31)
 }
 
+/// What an allocator hands out: KV pages, or linear-attention state slots (one per request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    Page,
+    StateSlot,
+}
+
 /// The page allocator. Not thread-safe by itself; the Python binding wraps it in a mutex.
 #[derive(Debug)]
 pub struct PageAllocator {
     id: u64,
+    /// Only changes what errors say (pages or state slots); the bookkeeping is the same.
+    unit: Unit,
     page_size: u32,
     num_pages: u32,
     /// State per page id; slot 0 (padding) stays 0: no holder, so every check rejects it.
@@ -228,6 +249,7 @@ impl PageAllocator {
         }
         Ok(Self {
             id: next_id(),
+            unit: Unit::Page,
             page_size: page_size as u32,
             num_pages: n,
             slots,
@@ -238,6 +260,38 @@ impl PageAllocator {
             shared_cached: 0,
             gens,
         })
+    }
+
+    /// A pool of `num_slots` linear-attention state slots (ids `1..=num_slots`; slot 0 is the
+    /// padding slot, never handed out): a page allocator of page size 1 whose errors name state
+    /// slots ([`AllocError::OutOfStateSlots`], [`AllocError::InStateSlots`]). Slots are
+    /// ref-counted like pages, so a prefix cache can hold a saved state as it holds a page.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn state_slots(num_slots: u64) -> Result<Self, AllocError> {
+        let mut a = Self::new(num_slots, 1)?;
+        a.unit = Unit::StateSlot;
+        Ok(a)
+    }
+
+    pub const fn unit(&self) -> Unit {
+        self.unit
+    }
+
+    /// An error of this allocator, worded for its unit (error paths only).
+    #[cold]
+    fn unit_err(&self, e: AllocError) -> AllocError {
+        match (self.unit, e) {
+            (Unit::Page, e) => e,
+            (
+                Unit::StateSlot,
+                AllocError::OutOfPages {
+                    requested, free, ..
+                },
+            ) => AllocError::OutOfStateSlots { requested, free },
+            (Unit::StateSlot, e) => AllocError::InStateSlots(Box::new(e)),
+        }
     }
 
     pub const fn num_pages(&self) -> usize {
@@ -354,11 +408,11 @@ impl PageAllocator {
     /// [`AllocError::OutOfPages`] when fewer than `n` are free; nothing is allocated then.
     pub(crate) fn alloc_into(&mut self, out: &mut Vec<i32>, n: usize) -> Result<(), AllocError> {
         if n > self.free_len {
-            return Err(AllocError::OutOfPages {
+            return Err(self.unit_err(AllocError::OutOfPages {
                 requested: n,
                 free: self.free_len,
                 evictable: 0,
-            });
+            }));
         }
         let start = self.free_len - n;
         let taken = &self.free[start..self.free_len];
@@ -399,7 +453,8 @@ impl PageAllocator {
             for &p in &pages[..done] {
                 self.slots[p.index()] += 1;
             }
-            return Err(self.free_error(pages));
+            let e = self.free_error(pages);
+            return Err(self.unit_err(e));
         }
         self.shared_cached -= unshared;
         if zeroed > 0 {
@@ -413,6 +468,53 @@ impl PageAllocator {
                 len += usize::from(slots.get(i).is_some_and(|&s| refs(s) == 0));
             }
             self.free_len = len;
+        }
+        Ok(())
+    }
+
+    /// Drops one reference per occurrence of each page: a page may be listed as often as it has
+    /// holders (e.g. one shared prefix page in several rows of a page table). The cache's own
+    /// reference is never dropped here. Costs O(n log n) in the pages listed.
+    ///
+    /// # Errors
+    /// The padding page, an id out of range, a free page, a page whose only reference is a prefix
+    /// cache's, or a page listed more often than it has holders ([`AllocError::OverReleased`]);
+    /// nothing changes then; [`AllocError::NoMemory`] when the sorted copy of `pages` cannot be
+    /// allocated.
+    pub fn free_counted(&mut self, pages: &[i32]) -> Result<(), AllocError> {
+        let what = || format!("a sorted copy of {} page ids", pages.len());
+        let mut sorted = try_vec(pages.len(), what)?;
+        sorted.extend_from_slice(pages);
+        sorted.sort_unstable();
+        // Validate every distinct page against its number of occurrences, then apply.
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let p = self.page(run[0]).map_err(|e| self.unit_err(e))?;
+            let s = self.slots[p.index()];
+            let holders = s & HOLDERS;
+            let err = match (holders, s) {
+                (0, 0) => Some(AllocError::NotAllocated { page: p.get() }),
+                (0, _) => Some(AllocError::OnlyCached { page: p.get() }),
+                (h, _) if (h as usize) < run.len() => Some(AllocError::OverReleased {
+                    page: p.get(),
+                    listed: run.len(),
+                    holders: h,
+                }),
+                _ => None,
+            };
+            if let Some(e) = err {
+                return Err(self.unit_err(e));
+            }
+        }
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let i = run[0] as usize;
+            let s = &mut self.slots[i];
+            *s -= run.len() as u32;
+            if *s == CACHED {
+                self.shared_cached -= 1;
+            } else if *s == 0 {
+                self.free[self.free_len] = run[0];
+                self.free_len += 1;
+            }
         }
         Ok(())
     }
@@ -467,7 +569,7 @@ impl PageAllocator {
     /// # Errors
     /// As [`free`](Self::free), plus [`AllocError::RefOverflow`]; nothing changes then.
     pub fn inc_ref<P: RawPage>(&mut self, pages: &[P]) -> Result<(), AllocError> {
-        self.check_shareable(pages)?;
+        self.check_shareable(pages).map_err(|e| self.unit_err(e))?;
         for &raw in pages {
             let s = &mut self.slots[raw.index()];
             *s += 1;
@@ -548,7 +650,8 @@ impl PageAllocator {
             for &done in &pages[..k] {
                 slots[done.index()] &= !CACHED;
             }
-            return Err(self.cache_error(pages, k));
+            let e = self.cache_error(pages, k);
+            return Err(self.unit_err(e));
         }
         // Every holder that handed a page over still has its reference.
         self.shared_cached += pages.len();

@@ -63,6 +63,20 @@ pub enum BatchError {
         entry: usize,
         page: i32,
     },
+    #[error("`window` must be at least 1 token, got 0")]
+    ZeroWindow,
+    #[error("`first_live[{index}]` = {value} is outside 0..={max_pages} (page-table entries)")]
+    FirstLive {
+        index: usize,
+        value: i32,
+        max_pages: usize,
+    },
+    #[error("`page_table[{index}, {entry}]`: {source}")]
+    Page {
+        index: usize,
+        entry: usize,
+        source: crate::alloc::AllocError,
+    },
     #[error("request {index}: slot of token {position} (page `{page}`) exceeds the int32 range")]
     SlotOverflow {
         index: usize,

@@ -11,6 +11,7 @@ pub mod layout;
 pub mod model;
 pub mod radix;
 pub mod sizing;
+pub mod window;
 
 #[cfg(feature = "python")]
 mod py;
@@ -22,5 +23,7 @@ pub use error::{Error, Result};
 pub use groups::{Group, GroupKind, PageSpace, SpaceKind, Target};
 pub use layout::{BufferTemplate, GroupGeometry, Layout, LayoutConfig, Nvfp4Recipe, Role, Tensor, PADDING_PAGE};
 pub use model::{LayerKind, LinearState, Mla, ModelGeometry};
-pub use radix::{Handle, Match, Namespace, NodeId, RadixCache, RadixError};
+pub use radix::{
+    GroupMatch, GroupPath, Handle, Match, Namespace, NodeId, Others, RadixCache, RadixError,
+};
 pub use sizing::{capacity, kv_budget, Plan};

@@ -35,6 +35,10 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
+mod groups;
+use groups::Groups;
+pub use groups::{GroupMatch, GroupPath, Others};
+
 /// Errors of the `radix` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RadixError {
@@ -64,6 +68,31 @@ pub enum RadixError {
     Locked { protected: usize, locks: u64 },
     #[error("radix cache invariant broken: {0}")]
     Corrupt(String),
+    #[error("this radix cache serves {sliding} sliding-window group(s){state}: pass their allocators (got {got_sliding} sliding{got_state})")]
+    GroupAllocators {
+        sliding: usize,
+        state: &'static str,
+        got_sliding: usize,
+        got_state: &'static str,
+    },
+    #[error("`sliding[{index}]`: {reason}")]
+    BadGroup { index: usize, reason: String },
+    #[error("`sliding_pages[{group}]`: {source}")]
+    GroupPage { group: usize, source: AllocError },
+    #[error("`sliding_pages` has {got} arrays, expected {expected} (one per sliding group)")]
+    GroupCount { expected: usize, got: usize },
+    #[error("`sliding_pages[{group}]` has {got} entries, expected {expected} (one per page, as `pages`)")]
+    GroupLength {
+        group: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("`state_slot` is a checkpoint after exactly `len(tokens)` = {tokens} tokens, which must be a positive multiple of page_size {page_size}")]
+    StateNotAligned { tokens: usize, page_size: usize },
+    #[error("`state_slot` given, but this radix cache has no state-slot pool")]
+    NoStatePool,
+    #[error("the same allocator is passed twice (full, sliding and state spaces need one each)")]
+    SharedAllocator,
 }
 
 /// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
@@ -235,6 +264,9 @@ struct Node {
     in_lru: bool,
     /// The namespace key, for namespace roots only.
     ns: Option<Box<[u8]>>,
+    /// Hybrid caches only (empty otherwise): one page id per page of the edge for each sliding
+    /// group in turn (0: released), then the state slot saved at the node's end (0: none).
+    extra: Vec<i32>,
 }
 
 impl Node {
@@ -388,6 +420,9 @@ impl Children {
 enum Goal {
     Tokens(usize),
     FreePages(usize),
+    /// Free pages of sliding group `.0`.
+    FreeSliding(usize, usize),
+    FreeStateSlots(usize),
 }
 
 struct Plan {
@@ -413,6 +448,8 @@ pub struct RadixCache {
     protected: usize,
     hit: u64,
     miss: u64,
+    /// The extra page spaces of a hybrid model (sliding groups, state slots); None for a plain one.
+    groups: Option<Box<Groups>>,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -480,6 +517,7 @@ impl RadixCache {
             protected: 0,
             hit: 0,
             miss: 0,
+            groups: None,
         })
     }
 
@@ -623,6 +661,7 @@ impl RadixCache {
     /// The new node takes the first half; `child` keeps its slot (and its handles) for the rest.
     fn split(&mut self, child: u32, m: usize) -> u32 {
         let ps = self.page_size;
+        let shape = self.shape();
         let c = &mut self.nodes[child as usize];
         let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
         // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
@@ -636,11 +675,17 @@ impl RadixCache {
         let mut children = Children::default();
         children.insert(key[m], child);
         let first = key[0];
+        let extra = if c.extra.is_empty() {
+            Vec::new()
+        } else {
+            groups::split_extra(&mut c.extra, shape, pages.len(), m / ps)
+        };
         let head = Node {
             parent,
             children,
             lock,
             last_access,
+            extra,
             ..Node::default()
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
@@ -668,6 +713,12 @@ impl RadixCache {
         tokens: &[i32],
         mut sink: impl FnMut(&[i32]),
     ) -> (Handle, usize) {
+        if self.groups.is_some() {
+            // Only as long as every group can serve (see `groups`).
+            let m = self.match_prefix_groups(ns, tokens);
+            sink(&m.pages);
+            return (m.node, m.len);
+        }
         self.clock += 1;
         let clock = self.clock;
         let ps = self.page_size;
@@ -733,6 +784,20 @@ impl RadixCache {
         tokens: &[i32],
         parts: &[&[P]],
     ) -> Result<usize, RadixError> {
+        // A hybrid cache needs every group's pages ([`insert_groups`](Self::insert_groups)).
+        self.check_others(&Others::default())?;
+        Ok(self.insert_inner(alloc, ns, tokens, parts)?.0)
+    }
+
+    /// [`insert_parts`](Self::insert_parts), also returning the node that ends at the aligned end
+    /// of `tokens` (`NONE` when nothing is cached and nothing was inserted).
+    fn insert_inner<P: RawPage>(
+        &mut self,
+        alloc: &mut PageAllocator,
+        ns: &Namespace,
+        tokens: &[i32],
+        parts: &[&[P]],
+    ) -> Result<(usize, u32), RadixError> {
         let n_pages = parts.iter().map(|p| p.len()).sum();
         self.check_alloc(alloc)?;
         let ps = self.page_size;
@@ -796,7 +861,7 @@ impl RadixCache {
             self.touch(parent, clock);
         }
         if pos == aligned {
-            return Ok(pos);
+            return Ok((pos, parent));
         }
         if parent == NONE {
             let root = Node {
@@ -818,7 +883,7 @@ impl RadixCache {
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
-        Ok(pos)
+        Ok((pos, leaf))
     }
 
     /// Locks the path from `h`'s node to its root: none of it is evicted until `unlock(h)`.
@@ -876,7 +941,7 @@ impl RadixCache {
 
     /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
     /// once all their children are gone. Changes nothing; stops early when the goal is reached.
-    fn plan(&self, alloc: &PageAllocator, goal: &Goal) -> Plan {
+    fn plan(&self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
         let mut plan = Plan {
             order: Vec::new(),
             tokens: 0,
@@ -890,7 +955,9 @@ impl RadixCache {
         loop {
             let reached = match *goal {
                 Goal::Tokens(n) => plan.tokens >= n,
-                Goal::FreePages(n) => plan.freed_pages >= n,
+                Goal::FreePages(n) | Goal::FreeSliding(_, n) | Goal::FreeStateSlots(n) => {
+                    plan.freed_pages >= n
+                }
             };
             if reached {
                 break;
@@ -905,10 +972,11 @@ impl RadixCache {
             let n = self.node(id);
             plan.order.push(id);
             plan.tokens += n.key().len();
-            plan.freed_pages += if exact {
-                n.pages().len()
-            } else {
-                n.pages().iter().filter(|&&p| alloc.only_cached(p)).count()
+            plan.freed_pages += match *goal {
+                Goal::FreeSliding(g, _) => self.freed_in(n, others, Some(g)),
+                Goal::FreeStateSlots(_) => self.freed_in(n, others, None),
+                _ if exact => n.pages().len(),
+                _ => n.pages().iter().filter(|&&p| alloc.only_cached(p)).count(),
             };
             let parent = self.node(n.parent);
             if !parent.key().is_empty() && parent.lock == 0 {
@@ -925,12 +993,23 @@ impl RadixCache {
     /// Removes an unlocked leaf: drops the tree's reference on its pages.
     /// Pages freed by it go to `out` (allocated) while `out` has fewer than `want`, else to the
     /// free list.
-    fn remove_leaf(&mut self, alloc: &mut PageAllocator, id: u32, out: &mut Vec<i32>, want: usize) {
+    fn remove_leaf(
+        &mut self,
+        alloc: &mut PageAllocator,
+        others: &mut Others<'_>,
+        id: u32,
+        out: &mut Vec<i32>,
+        want: usize,
+    ) {
         let n = &self.nodes[id as usize];
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
         }
         alloc.release_cached_into(n.pages(), out, want);
+        if !n.extra.is_empty() {
+            self.release_extra(id, others);
+        }
+        let n = &self.nodes[id as usize];
         let (parent, first, len) = (n.parent, n.key()[0], n.key_len as usize);
         self.evictable -= len;
         self.free_node(id);
@@ -950,9 +1029,16 @@ impl RadixCache {
 
     /// Evicts the plan's nodes; the pages they free go to `out` (allocated) up to `want`
     /// entries, the rest to the free list.
-    fn apply(&mut self, alloc: &mut PageAllocator, plan: &Plan, out: &mut Vec<i32>, want: usize) {
+    fn apply(
+        &mut self,
+        alloc: &mut PageAllocator,
+        others: &mut Others<'_>,
+        plan: &Plan,
+        out: &mut Vec<i32>,
+        want: usize,
+    ) {
         for &id in &plan.order {
-            self.remove_leaf(alloc, id, out, want);
+            self.remove_leaf(alloc, others, id, out, want);
         }
     }
 
@@ -961,15 +1047,32 @@ impl RadixCache {
     /// than asked may be evicted. Returns the tokens evicted.
     ///
     /// # Errors
-    /// [`RadixError::WrongAllocator`].
+    /// [`RadixError::WrongAllocator`]; [`RadixError::GroupAllocators`] for a hybrid cache (use
+    /// [`evict_with`](Self::evict_with)).
     pub fn evict(
         &mut self,
         alloc: &mut PageAllocator,
         num_tokens: usize,
     ) -> Result<usize, RadixError> {
+        self.evict_with(alloc, &mut Others::default(), num_tokens)
+    }
+
+    /// [`evict`](Self::evict) for any cache: `others` holds the allocators of the extra page
+    /// spaces (sliding groups, state slots) the cache was built with; their pages are released
+    /// with the nodes.
+    ///
+    /// # Errors
+    /// [`RadixError::WrongAllocator`], [`RadixError::GroupAllocators`].
+    pub fn evict_with(
+        &mut self,
+        alloc: &mut PageAllocator,
+        others: &mut Others<'_>,
+        num_tokens: usize,
+    ) -> Result<usize, RadixError> {
         self.check_alloc(alloc)?;
-        let plan = self.plan(alloc, &Goal::Tokens(num_tokens));
-        self.apply(alloc, &plan, &mut Vec::new(), 0);
+        self.check_others(others)?;
+        let plan = self.plan(alloc, others, &Goal::Tokens(num_tokens));
+        self.apply(alloc, others, &plan, &mut Vec::new(), 0);
         Ok(plan.tokens)
     }
 
@@ -999,14 +1102,29 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         n: usize,
     ) -> Result<Vec<i32>, RadixError> {
+        self.alloc_i32_with(alloc, &mut Others::default(), n)
+    }
+
+    /// [`alloc_i32`](Self::alloc_i32) for any cache (`others` as for
+    /// [`evict_with`](Self::evict_with)).
+    ///
+    /// # Errors
+    /// As [`alloc`](Self::alloc), plus [`RadixError::GroupAllocators`].
+    pub fn alloc_i32_with(
+        &mut self,
+        alloc: &mut PageAllocator,
+        others: &mut Others<'_>,
+        n: usize,
+    ) -> Result<Vec<i32>, RadixError> {
         self.check_alloc(alloc)?;
+        self.check_others(others)?;
         let free = alloc.num_free();
         // (capped: `n` is the caller's, and more than the pool holds fails below)
         let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
         if n > free {
             // Evict until enough pages are free; nothing changes when even evicting all would
             // not do. The pages eviction frees are handed out directly (then the free list's).
-            let plan = self.plan(alloc, &Goal::FreePages(n - free));
+            let plan = self.plan(alloc, others, &Goal::FreePages(n - free));
             if plan.freed_pages < n - free {
                 return Err(AllocError::OutOfPages {
                     requested: n,
@@ -1015,7 +1133,7 @@ impl RadixCache {
                 }
                 .into());
             }
-            self.apply(alloc, &plan, &mut out, n);
+            self.apply(alloc, others, &plan, &mut out, n);
         }
         let rest = n - out.len();
         alloc.alloc_into(&mut out, rest)?;
@@ -1028,7 +1146,20 @@ impl RadixCache {
     /// # Errors
     /// [`RadixError::Locked`] while any lock is held; nothing changes then.
     pub fn reset(&mut self, alloc: &mut PageAllocator) -> Result<(), RadixError> {
+        self.reset_with(alloc, &mut Others::default())
+    }
+
+    /// [`reset`](Self::reset) for any cache (`others` as for [`evict_with`](Self::evict_with)).
+    ///
+    /// # Errors
+    /// As [`reset`](Self::reset), plus [`RadixError::GroupAllocators`].
+    pub fn reset_with(
+        &mut self,
+        alloc: &mut PageAllocator,
+        others: &mut Others<'_>,
+    ) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
+        self.check_others(others)?;
         let locks: u64 = self
             .nodes
             .iter()
@@ -1041,10 +1172,15 @@ impl RadixCache {
                 locks,
             });
         }
-        for n in &self.nodes {
+        for id in 0..self.nodes.len() as u32 {
+            let n = self.node(id);
             alloc.release_cached_all(n.pages());
+            if !n.extra.is_empty() {
+                self.release_extra(id, others);
+            }
         }
-        let fresh = Self::new(alloc, self.page_size)?;
+        let mut fresh = Self::new(alloc, self.page_size)?;
+        fresh.groups = self.groups.take();
         *self = fresh;
         Ok(())
     }

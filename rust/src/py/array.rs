@@ -27,6 +27,14 @@ pub(crate) struct Int {
     big: Option<String>,
 }
 
+impl Int {
+    /// Zero, the default of optional counts.
+    pub(crate) const ZERO: Self = Self {
+        value: 0,
+        big: None,
+    };
+}
+
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
 

@@ -71,6 +71,8 @@ fn out_of_pages(msg: String, requested: usize, free: usize, evictable: usize) ->
 fn alloc_err(e: AllocError, msg: String) -> PyErr {
     match e {
         AllocError::OutOfPages { requested, free, evictable } => out_of_pages(msg, requested, free, evictable),
+        AllocError::OutOfStateSlots { requested, free } => out_of_pages(msg, requested, free, 0),
+        AllocError::InStateSlots(inner) => alloc_err(*inner, msg),
         AllocError::ZeroPages
         | AllocError::ZeroPageSize
         | AllocError::TooManySlots { .. }
@@ -84,7 +86,8 @@ fn alloc_err(e: AllocError, msg: String) -> PyErr {
         | AllocError::OnlyCached { .. }
         | AllocError::AlreadyCached { .. }
         | AllocError::RefOverflow { .. }
-        | AllocError::Reused { .. } => PageError::new_err(msg),
+        | AllocError::Reused { .. }
+        | AllocError::OverReleased { .. } => PageError::new_err(msg),
     }
 }
 
@@ -99,6 +102,14 @@ fn radix_err(e: RadixError, msg: String) -> PyErr {
         RadixError::NotLocked { .. } | RadixError::LockOverflow { .. } => LockError::new_err(msg),
         RadixError::Locked { .. } => CacheBusyError::new_err(msg),
         RadixError::Corrupt(_) => CacheCorruptError::new_err(msg),
+        RadixError::GroupPage { source, .. } => alloc_err(source, msg),
+        RadixError::GroupAllocators { .. }
+        | RadixError::BadGroup { .. }
+        | RadixError::GroupCount { .. }
+        | RadixError::GroupLength { .. }
+        | RadixError::StateNotAligned { .. }
+        | RadixError::NoStatePool
+        | RadixError::SharedAllocator => InvalidArgumentError::new_err(msg),
     }
 }
 
@@ -136,6 +147,7 @@ impl From<Error> for PyErr {
             Error::Sizing(_) => SizingError::new_err(msg),
             Error::Alloc(a) => alloc_err(a, msg),
             Error::Radix(r) => radix_err(r, msg),
+            Error::Batch(crate::batch::BatchError::Page { source, .. }) => alloc_err(source, msg),
             Error::Batch(_) => BatchError::new_err(msg),
         }
     }

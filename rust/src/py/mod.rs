@@ -8,6 +8,8 @@ mod batch;
 mod error;
 mod radix;
 mod sizing;
+mod state;
+mod window;
 
 #[pymodule(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -18,5 +20,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     alloc::register(m)?;
     radix::register(m)?;
     batch::register(m)?;
+    state::register(m)?;
+    window::register(m)?;
     Ok(())
 }

@@ -18,6 +18,10 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
+#[path = "radix_groups.rs"]
+mod groups;
+use groups::Groups;
+
 /// An opaque handle to a cache node, from `match_prefix`; hashable, comparable.
 ///
 /// It stays valid while the node exists (later splits and inserts keep it valid); after the node is
@@ -129,6 +133,18 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
 ///     The allocator whose pages the cache stores.
 /// page_size : int, optional
 ///     Must equal `allocator.page_size` (the default).
+/// sliding : list of (PageAllocator, int), optional
+///     Hybrid models: each sliding-window group's allocator (same page size) and window in
+///     tokens. Matches then end where every group still holds its window's pages.
+/// state_slots : StateSlotAllocator, optional
+///     Hybrid models with linear-attention layers: the state-slot pool. Matches then end only at
+///     states saved by `insert(..., state_slot=...)`.
+///
+/// Raises
+/// ------
+/// InvalidArgumentError
+///     A page size that differs from the allocator's, a window of 0, a sliding allocator of
+///     another page size, one allocator passed for two spaces.
 ///
 /// Notes
 /// -----
@@ -140,7 +156,8 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
 /// Sequences of calls are not atomic: another thread may evict the node `match_prefix` returned
 /// before `lock` takes it (`StaleNodeError`: treat it as a miss and match again), or take the pages
 /// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
-/// may call into kvpool at any time.
+/// may call into kvpool at any time. A hybrid cache locks the cache, then the full allocator, the
+/// sliding ones in order and the state pool (the one lock order).
 ///
 /// Examples
 /// --------
@@ -160,6 +177,8 @@ pub(crate) struct PyRadixCache {
     alloc: Shared,
     allocator: Py<PyPageAllocator>,
     cache: Mutex<RadixCache>,
+    /// Hybrid models: the sliding groups' and the state pool's allocators (see `radix_groups.rs`).
+    groups: Groups,
 }
 
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
@@ -192,12 +211,22 @@ impl PyRadixCache {
         soft: bool,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n)?;
-        let r = self.with_both(py, n >= DETACH_MIN, |c, a| {
-            let pages = c.alloc_i32(a, n)?;
-            let mut gens = Vec::new();
-            a.grant(&pages, &mut gens);
-            Ok::<_, RadixError>((pages, gens))
-        });
+        let long = n >= DETACH_MIN;
+        let r = if self.groups.is_hybrid() {
+            self.with_spaces(py, long, |c, a, o| {
+                let pages = c.alloc_i32_with(a, o, n)?;
+                let mut gens = Vec::new();
+                a.grant(&pages, &mut gens);
+                Ok::<_, RadixError>((pages, gens))
+            })
+        } else {
+            self.with_both(py, long, |c, a| {
+                let pages = c.alloc_i32(a, n)?;
+                let mut gens = Vec::new();
+                a.grant(&pages, &mut gens);
+                Ok::<_, RadixError>((pages, gens))
+            })
+        };
         match r {
             Ok((pages, gens)) => {
                 let tag = self.allocator.get().tag;
@@ -212,19 +241,23 @@ impl PyRadixCache {
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None))]
-    fn new(allocator: Bound<'_, PyPageAllocator>, page_size: Option<Int>) -> PyResult<Self> {
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None))]
+    fn new(
+        allocator: Bound<'_, PyPageAllocator>,
+        page_size: Option<Int>,
+        sliding: Option<Vec<(Bound<'_, PyPageAllocator>, Int)>>,
+        state_slots: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let py = allocator.py();
         let alloc = allocator.get().inner.clone();
+        let groups = Groups::from_py(&alloc, sliding, state_slots)?;
         let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
-        let cache = with_lock(py, &alloc, false, |a| {
-            RadixCache::new(a, ps.unwrap_or(a.page_size()))
-        })
-        .map_err(to_py)?;
+        let cache = groups.build(py, &alloc, ps).map_err(to_py)?;
         Ok(Self {
             alloc,
             allocator: allocator.unbind(),
             cache: Mutex::new(cache),
+            groups,
         })
     }
 
@@ -277,20 +310,31 @@ impl PyRadixCache {
     /// may also be a tuple or list of 1-D arrays standing for their concatenation, e.g.
     /// `(matched_pages, new_pages)`: the same result, without building the concatenated array.
     ///
+    /// A hybrid cache also takes, per sliding group, `sliding_pages[g]` (one int32 id per entry of
+    /// `pages`, 0 where `release_window_pages` released it; the tree references the live ones of
+    /// the new part) and `state_slot`, a slot holding the linear-attention state after exactly
+    /// `tokens` (`len(tokens)` a positive multiple of the page size; 0 or None: no checkpoint).
+    ///
     /// Raises
     /// ------
     /// InvalidArgumentError
-    ///     Mismatched lengths, a token beyond int32.
+    ///     Mismatched lengths, a token beyond int32, a `sliding_pages` count or length that does
+    ///     not match the groups, a `state_slot` not at a page boundary or without a state pool.
     /// PageError
     ///     A bad page id, or a page of the new part that is free, repeated or already cached.
-    #[pyo3(signature = (tokens, pages, namespace=None))]
+    #[pyo3(signature = (tokens, pages, namespace=None, *, sliding_pages=None, state_slot=None))]
     fn insert(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         namespace: Option<&Bound<'_, PyAny>>,
+        sliding_pages: Option<Vec<Bound<'_, PyAny>>>,
+        state_slot: Option<Int>,
     ) -> PyResult<usize> {
+        if self.groups.is_hybrid() || sliding_pages.is_some() || state_slot.is_some() {
+            return self.insert_groups(py, tokens, pages, namespace, sliding_pages, state_slot);
+        }
         let ns = self::namespace(namespace)?;
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
@@ -355,9 +399,15 @@ impl PyRadixCache {
 
     /// Evicts least-recently-used unlocked leaves (then their parents) until `num_tokens` tokens
     /// left the cache or nothing evictable is left; returns the tokens evicted (whole nodes, so
-    /// possibly more than asked).
+    /// possibly more than asked). A hybrid cache releases every group's pages and state slots of
+    /// the nodes it evicts.
     fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
         let n = count("num_tokens", &num_tokens)?;
+        if self.groups.is_hybrid() {
+            return self
+                .with_spaces(py, n >= DETACH_MIN, |c, a, o| c.evict_with(a, o, n))
+                .map_err(to_py);
+        }
         self.with_both(py, n >= DETACH_MIN, |c, a| c.evict(a, n))
             .map_err(to_py)
     }
@@ -392,6 +442,11 @@ impl PyRadixCache {
     /// CacheBusyError
     ///     A lock is held.
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        if self.groups.is_hybrid() {
+            return self
+                .with_spaces(py, true, |c, a, o| c.reset_with(a, o))
+                .map_err(to_py);
+        }
         self.with_both(py, true, |c, a| c.reset(a)).map_err(to_py)
     }
 
@@ -402,6 +457,11 @@ impl PyRadixCache {
     /// CacheCorruptError
     ///     An invariant is broken (a bug in kvpool).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        if self.groups.is_hybrid() {
+            return self
+                .with_spaces(py, true, |c, a, o| c.check_invariants_with(a, o))
+                .map_err(to_py);
+        }
         self.with_both(py, true, |c, a| c.check_invariants(a))
             .map_err(to_py)
     }
@@ -460,6 +520,123 @@ impl PyRadixCache {
     #[getter]
     fn num_nodes(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.num_nodes())
+    }
+
+    // --- hybrid models (see `radix_groups.rs`) ---
+
+    /// Longest prefix of `tokens` that every group of a hybrid cache can serve.
+    ///
+    /// Full attention needs every page of the prefix, a sliding group of window `w` the pages of
+    /// the last `w` tokens before the match point, a state-slot pool the state saved after exactly
+    /// that many tokens (a checkpoint `insert(..., state_slot=...)` made). The edge is split where
+    /// the match ends. On a plain cache it is `match_prefix` with no sliding pages and state 0.
+    ///
+    /// Parameters
+    /// ----------
+    /// tokens : numpy.ndarray
+    ///     1-D int32 or int64 token ids.
+    /// namespace : None, int, str, bytes or (nested) tuple of those
+    ///     As for `match_prefix`.
+    ///
+    /// Returns
+    /// -------
+    /// tuple
+    ///     `(pages, node, matched_len, sliding_pages, state_slot)`: full-attention page ids (int32,
+    ///     shape `(matched_len // page_size,)`), the node handle, the matched length in tokens, one
+    ///     int32 array per sliding group of the same shape (the window's pages; 0 before the
+    ///     window), and the saved state slot (0: none). The pages and the slot are the cache's:
+    ///     lock the node to keep them, `inc_ref` the sliding pages a request will release.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix_groups<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<groups::GroupMatchTuple<'py>> {
+        self.match_groups(py, tokens, namespace)
+    }
+
+    /// Allocates `n` pages of sliding group `group`, evicting LRU entries first when fewer are
+    /// free in that group's allocator.
+    ///
+    /// Returns
+    /// -------
+    /// numpy.ndarray
+    ///     int32 page ids of `sliding[group]`'s allocator, shape `(n,)`.
+    ///
+    /// Raises
+    /// ------
+    /// OutOfPagesError
+    ///     Not even evicting everything evictable would free enough; nothing changed.
+    /// InvalidArgumentError
+    ///     No such group; a negative `n` or `group`.
+    /// KeyboardInterrupt
+    ///     Ctrl-C during the call: the pages are given back.
+    fn alloc_sliding<'py>(
+        &self,
+        py: Python<'py>,
+        group: Int,
+        n: Int,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let g = count("group", &group)?;
+        self.alloc_group(py, Some(g), &n)
+    }
+
+    /// Allocates `n` state slots from the cache's state-slot pool, evicting LRU entries (and the
+    /// states they saved) first when fewer are free.
+    ///
+    /// Returns
+    /// -------
+    /// numpy.ndarray
+    ///     int32 slot ids, shape `(n,)`.
+    ///
+    /// Raises
+    /// ------
+    /// OutOfPagesError
+    ///     Not even evicting everything evictable would free enough slots; nothing changed.
+    /// InvalidArgumentError
+    ///     The cache has no state-slot pool; a negative `n`.
+    /// KeyboardInterrupt
+    ///     Ctrl-C during the call: the slots are given back.
+    fn alloc_state_slots<'py>(
+        &self,
+        py: Python<'py>,
+        n: Int,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        self.alloc_group(py, None, &n)
+    }
+
+    /// Every root-to-leaf path of a namespace with every group's pages, for tests and debugging.
+    ///
+    /// Returns
+    /// -------
+    /// list of tuple
+    ///     `(tokens, pages, sliding_pages, states)`: int32 arrays; `sliding_pages` one array per
+    ///     sliding group (one entry per page, 0 where released); `states[j]` the slot saved after
+    ///     `j + 1` pages (0: none).
+    #[pyo3(signature = (namespace=None))]
+    fn leaf_paths_groups<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<groups::GroupPathTuple<'py>>> {
+        self.paths_groups(py, namespace)
+    }
+
+    /// The sliding groups as `(allocator, window)` pairs, in the order given (empty: none).
+    #[getter]
+    fn sliding(&self, py: Python<'_>) -> Vec<(Py<PyPageAllocator>, usize)> {
+        self.sliding_objs(py)
+    }
+    /// The state-slot pool passed as `state_slots`, or None.
+    #[getter]
+    fn state_slots(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.state_obj(py)
+    }
+    /// Whether the cache has a state-slot pool (matches then end at saved states only).
+    #[getter]
+    fn has_state_slots(&self, py: Python<'_>) -> bool {
+        with_lock(py, &self.cache, false, |c| c.has_state_slots())
     }
 
     /// `RadixCache(page_size=..., total_size=..., protected_size=...)`.
