@@ -121,7 +121,11 @@ def test_gemma3_composite_without_text_fields():
     full = [i for i, k in enumerate(spec.layer_kinds) if k == "full"]
     assert full == [5, 11, 17, 23] and spec.num_layers == 26
     assert (spec.sliding_window, spec.num_kv_heads, spec.head_dim) == (4096, 4, 256)
-    assert kvpool.size_for(spec, "bf16", num_tokens=16).bytes_per_token == 106_496
+    # 26 layers x K and V x 4 heads x 256 x 2 bytes = 106,496 bytes a token: 4 full layers in the
+    # primary page space (16,384), 22 sliding ones in their own (90,112)
+    spaces = kvpool.size_for(spec, "bf16", num_tokens=16).page_spaces
+    assert spaces["primary"]["bytes_per_token"] == 16_384
+    assert sum(s["bytes_per_token"] for s in spaces.values()) == 106_496
 
 
 def test_gemma3n_shares_kv_by_default():

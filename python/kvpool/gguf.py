@@ -80,7 +80,7 @@ class _Cursor:
     def unpack(self, fmt: str) -> Any:
         try:
             (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        except struct.error:
+        except (struct.error, OverflowError):  # (an offset past 2^63 after a huge length)
             raise ModelConfigError(f"`{self.path}` is truncated (at byte {self.pos})") from None
         self.pos += struct.calcsize(fmt)
         return v
