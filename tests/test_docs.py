@@ -158,18 +158,7 @@ OUTSIDE = re.compile(r"\.\./shared/|\bshared/(?:DESIGN|CASES|STYLE)|\bDESIGN\.md
 # Files of other branches whose references are replaced when those branches land (listed in the
 # docs branch's report); remove each entry with its fix. The docs, README, CONTRIBUTING, the
 # example, the bench notes and the tests are clean already.
-PENDING = {
-    "python/kvpool/config.py",
-    "python/kvpool/fidelity.py",
-    "python/kvpool/formats.py",
-    "python/kvpool/sizing.py",
-    "rust/src/alloc.rs",
-    "rust/src/py/sizing.rs",
-    "rust/src/radix.rs",
-    "triton_kernels/decode.py",
-    "triton_kernels/decode_gluon.py",
-    "triton_kernels/decode_gluon_fp4.py",
-}
+PENDING: set[str] = set()
 
 
 def _tracked_text_files() -> list[Path]:

@@ -316,7 +316,8 @@ def test_budget_too_small_for_one_request_names_context_len():
 def test_state_slot_shortage_raises_out_of_pages_and_changes_nothing():
     plan = kvpool.size_for("Qwen/Qwen3-Next-80B-A3B-Thinking", "bf16", num_tokens=8192)
     slots = plan.allocators()["linear_state"]
-    assert slots.num_pages == plan.num_state_slots == 1
+    assert isinstance(slots, kvpool.StateSlotAllocator)
+    assert slots.num_slots == plan.num_state_slots == 1
     got = slots.alloc(1)
     assert got.tolist() == [1]  # (slot 0 is padding)
     with pytest.raises(kvpool.OutOfPagesError):

@@ -109,7 +109,10 @@ def check_requests_fit(plan, n: int) -> None:
     for name, sp in spaces.items():
         per[name] = pages_per_request(sp, windows.get(name, 0), n, draft)
         a = allocs[name]
-        assert a.num_pages == sp["num_pages"] and a.page_size == sp["page_size"]
+        if sp["kind"] == "state":  # one slot a request
+            assert isinstance(a, kvpool.StateSlotAllocator) and a.num_slots == sp["num_pages"]
+        else:
+            assert a.num_pages == sp["num_pages"] and a.page_size == sp["page_size"]
         if sp["headroom_pages"]:
             a.alloc(sp["headroom_pages"])  # kept for the prefill chunk in flight
         if rf:

@@ -46,7 +46,7 @@ head-fast grid, e4m3 0.266-0.272 ms (1.81x SDPA on contiguous bf16), e5m2 (+ laz
 0.269-0.277 ms (1.78-1.79x) with register prefetch, 0.274 ms (1.80x) with the ring (call 12,
 now its default).
 
-Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (CASES.md KVB-16).
+Masking as in ``decode.py``: rows past ``seq_len`` are neither read nor scored (KVB-16, docs/architecture.md).
 """
 
 import triton  # noqa: F401  (Gluon needs Triton's runtime)

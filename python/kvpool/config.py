@@ -414,20 +414,14 @@ class ModelSpec:
         return _Fields(self.config, defaults=self.defaults_from is not None)
 
     def geometry(self, tp_size: int = 1) -> ModelGeometry:
-        """The Rust-side geometry; linear-attention state is sharded for ``tp_size`` ranks."""
-        conv, ssm = self.linear_state_bytes(tp_size)
-        return ModelGeometry(
-            layer_kinds=list(self.layer_kinds),
-            num_attention_heads=self.num_attention_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            v_head_dim=self.v_head_dim,
-            sliding_window=self.sliding_window,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            linear_conv_bytes=conv,
-            linear_ssm_bytes=ssm,
-        )
+        """The Rust-side geometry on one of ``tp_size`` ranks, as sizing builds it.
+
+        Layer kinds (shared layers with their sources), sliding head dims and the
+        linear-attention state shapes sharded for ``tp_size`` (see ``kvpool.sizing``).
+        """
+        from kvpool.sizing import _geometry  # (sizing imports this module)
+
+        return _geometry(self, tp_size)
 
     def linear_state_bytes(self, tp_size: int = 1) -> tuple[int, int]:
         """Per-request state bytes of one linear-attention layer on one rank: ``(conv, ssm)``.

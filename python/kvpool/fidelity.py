@@ -1,4 +1,4 @@
-"""How much a KV dtype changes a real model's predictions (DESIGN.md "Fidelity").
+"""How much a KV dtype changes a real model's predictions (docs/architecture.md, "Fidelity").
 
 Teacher forcing: the same fixed token sequence runs once with the model's ordinary contiguous
 cache (:meth:`kvpool.llama.Llama.forward_reference`, the reference) and once with its keys and

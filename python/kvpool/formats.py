@@ -1,8 +1,8 @@
 """Pure-torch reference quantizers for every KV cache dtype (independent of the Triton kernels).
 
-This module is the executable form of the "KV cache dtypes" section of DESIGN.md. The Triton
-write kernels (``kvpool.triton_kernels.quant_write``) must match :func:`quantize` bit for bit on
-the GPU; the kernels build bytes with integer arithmetic, this module with ``torch.frexp`` /
+This module is the executable form of the "KV cache formats and their sources" section of
+docs/architecture.md. The Triton write kernels (``kvpool.triton_kernels.quant_write``) must
+match :func:`quantize` bit for bit on the GPU; the kernels build bytes with integer arithmetic, this module with ``torch.frexp`` /
 ``torch.round`` on an explicit grid, so the two implementations share no code.
 
 Rules (all formats)

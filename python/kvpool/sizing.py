@@ -200,15 +200,19 @@ class Plan:
         return {row[0]: dict(zip(keys, row[1:], strict=True)) for row in self._core.page_spaces}
 
     def allocators(self) -> dict[str, Any]:
-        """A fresh :class:`kvpool.PageAllocator` per page space, keyed by space name.
+        """A fresh allocator per page space, keyed by space name.
 
         Token spaces get ``PageAllocator(num_pages, page_size)``; the linear-attention state
-        pool ``PageAllocator(num_state_slots, 1)`` under ``linear_state`` (one slot per running
-        request, slot 0 reserved as padding like page 0). Sliding spaces include their
-        ``headroom_pages``: a caller keeps that many free for the prefill chunk in flight.
+        pool a :class:`kvpool.StateSlotAllocator` of ``num_state_slots`` under ``linear_state``
+        (one slot per running request, slot 0 reserved as padding like page 0). Sliding spaces
+        include their ``headroom_pages``: a caller keeps that many free for the prefill chunk in
+        flight. These are the allocators ``RadixCache(full, sliding=..., state_slots=...)`` and
+        :func:`kvpool.release_window_pages` take.
         """
         return {
-            name: _core.PageAllocator(s["num_pages"], s["page_size"])
+            name: _core.StateSlotAllocator(s["num_pages"])
+            if s["kind"] == "state"
+            else _core.PageAllocator(s["num_pages"], s["page_size"])
             for name, s in self.page_spaces.items()
         }
 

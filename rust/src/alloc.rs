@@ -5,7 +5,7 @@
 //! adds a holder; `free` drops one reference and the page returns to the free list when its last
 //! reference goes. Every call is atomic: it validates its whole input first and changes nothing
 //! on error, so a double free or a repeated id can never put one page on the free list twice
-//! (CASES.md KVB-21). The checks are always on: they cost one pass over the call's pages.
+//! (KVB-21, docs/architecture.md). The checks are always on: they cost one pass over the call's pages.
 //!
 //! ```
 //! use kvpool::alloc::PageAllocator;

@@ -4,7 +4,7 @@
 //! Every edge of the tree holds a multiple of `page_size` tokens and one page id per `page_size`
 //! tokens. Children are keyed by their first page of tokens.
 //!
-//! Ownership follows DESIGN.md: the tree takes its own reference on each page it stores (and only
+//! Ownership follows docs/architecture.md ("Ownership"): the tree takes its own reference on each page it stores (and only
 //! on pages of the part that was not cached yet); eviction drops that reference, so a page a
 //! request still holds is never reused. Namespaces (LoRA adapter, cache salt, ...) are separate
 //! trees under one super-root: equal tokens in different namespaces never match.

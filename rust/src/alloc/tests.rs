@@ -50,7 +50,7 @@ fn alloc_hands_out_pages_one_to_n_never_padding() {
     assert!(a.alloc(0).unwrap().is_empty());
 }
 
-/// CASES.md KVB-21, for both page sizes.
+/// KVB-21 (docs/architecture.md), for both page sizes.
 #[test]
 fn kvb21_double_free_never_aliases_a_page() {
     for ps in [1, 16] {

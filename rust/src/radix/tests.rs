@@ -108,7 +108,7 @@ fn match_is_page_granular_and_splits() {
     assert_eq!((c.hit_tokens(), c.miss_tokens()), (4, 3 + 4));
 }
 
-/// CASES.md KVB-17: the matched node itself is locked, and unlock below zero raises.
+/// KVB-17 (docs/architecture.md): the matched node itself is locked, and unlock below zero raises.
 #[test]
 fn kvb17_lock_covers_the_matched_node() {
     let (mut a, mut c) = setup(16, 1);
@@ -138,7 +138,7 @@ fn kvb17_lock_covers_the_matched_node() {
     assert_eq!((c.evictable_size(), c.protected_size()), (3, 0));
 }
 
-/// CASES.md KVB-19: namespaces never share entries.
+/// KVB-19 (docs/architecture.md): namespaces never share entries.
 #[test]
 fn kvb19_namespaces_are_separate() {
     let (mut a, mut c) = setup(64, 1);
