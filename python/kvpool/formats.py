@@ -3,7 +3,8 @@
 This module is the executable form of the "KV cache formats and their sources" section of
 docs/architecture.md. The Triton write kernels (``kvpool.triton_kernels.quant_write``) must
 match :func:`quantize` bit for bit on the GPU; the kernels build bytes with integer arithmetic,
-this module with ``torch.frexp`` / ``torch.round`` on an explicit grid, so the two implementations share no code.
+this module with ``torch.frexp`` / ``torch.round`` on an explicit grid, so the two
+implementations share no code.
 
 Rules (all formats)
 -------------------
