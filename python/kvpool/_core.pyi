@@ -41,6 +41,7 @@ __all__ = [
     "extend_slots",
     "decode_slots",
     "release_window_pages",
+    "page_hashes",
 ]
 
 KV_DTYPES: list[str]
@@ -694,3 +695,15 @@ def release_window_pages(
     >>> table.tolist(), first_live.tolist(), a.num_used
     ([[0, 2, 3]], [1], 2)
     """
+
+def page_hashes(
+    tokens: _IntArray,
+    page_size: int,
+    *,
+    seed: int,
+    namespace: _Namespace = None,
+    parent: int | None = None,
+) -> npt.NDArray[np.uint64]:
+    """Chained 64-bit hashes of the whole pages of ``tokens`` (XXH3-64, seeded; see
+    ``help(kvpool.page_hashes)`` for the definition): the keys of KV events and of a shared page
+    store, equal in every process that uses the same ``seed``."""

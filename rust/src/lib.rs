@@ -7,6 +7,7 @@ pub mod batch;
 pub mod dtype;
 pub mod error;
 pub mod groups;
+pub mod hash;
 pub mod layout;
 pub mod model;
 pub mod radix;

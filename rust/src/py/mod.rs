@@ -6,6 +6,7 @@ mod alloc;
 mod array;
 mod batch;
 mod error;
+mod hash;
 mod radix;
 mod sizing;
 mod state;
@@ -22,5 +23,6 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     batch::register(m)?;
     state::register(m)?;
     window::register(m)?;
+    hash::register(m)?;
     Ok(())
 }

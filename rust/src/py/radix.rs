@@ -109,7 +109,7 @@ fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
 
 /// Python value -> namespace key: None, int, str, bytes, or (nested) tuples, tag-encoded.
 /// The default namespace is built once (no allocation per call).
-fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>> {
+pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>> {
     static NONE: OnceLock<Namespace> = OnceLock::new();
     match obj {
         Some(o) if !o.is_none() => {
