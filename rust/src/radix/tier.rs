@@ -40,7 +40,8 @@ pub struct TierStats {
     pub dropped_pages: u64,
     /// Host pages dropped by the host tier's own LRU eviction (or with a dropped device node).
     pub host_evicted_pages: u64,
-    /// Host pages loaded back to the device (`load_back`, or `insert` over host nodes).
+    /// Host pages loaded back to the device by `load_back` (`insert` over host nodes, which
+    /// takes recomputed pages, is not counted).
     pub loaded_pages: u64,
     /// Tokens asked of `match_prefix_host` (after the device match).
     pub host_query_tokens: u64,
@@ -439,7 +440,6 @@ impl RadixCache {
                     t.lru.remove(&key);
                 }
                 t.tokens -= kl;
-                t.stats.loaded_pages += np as u64;
             }
             self.evictable += kl;
             self.node_mut(parent).host_kids -= 1;
@@ -562,6 +562,9 @@ impl RadixCache {
         alloc.cache_pages(pages)?;
         let old = self.promote_chain(&chain, pages);
         host.release_cached_all(&old);
+        if let Some(t) = self.tier.as_mut() {
+            t.stats.loaded_pages += need as u64;
+        }
         Ok(need * self.page_size)
     }
 
