@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import zlib
 
+import kvpool
 import numpy as np
 import torch
-
-import kvpool
 from kvpool.tier import HostPool, HostTier, TierMatch
 
 
@@ -65,7 +64,7 @@ def workload(a: argparse.Namespace) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 class Pages:
-    """Fills and checks page bytes: page j of a sequence holds bytes seeded by its tokens' prefix."""
+    """Fills and checks page bytes: page j of a sequence holds bytes seeded by its prefix."""
 
     def __init__(self, pool: kvpool.KVPool, host: HostPool):
         self.views = [dev for pairs in host.layers.values() for dev, _ in pairs]

@@ -9,11 +9,10 @@ import runpy
 import subprocess
 import sys
 
+import kvpool
 import numpy as np
 import pytest
 import torch
-
-import kvpool
 from kvpool import (
     BudgetTooSmallError,
     InvalidArgumentError,

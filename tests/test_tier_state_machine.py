@@ -21,7 +21,6 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from kvpool import PageAllocator, RadixCache
 
 PROFILES = {

@@ -220,7 +220,7 @@ class Plan:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host tier's pinned pool (0 without one; :class:`kvpool.host_plan.HostPlan`)."""
+        """Bytes of the host tier's pinned pool (0 without one; see :mod:`kvpool.host_plan`)."""
         return 0 if self.host is None else self.host.host_bytes
 
     @property

@@ -1,4 +1,4 @@
-"""The host-memory tier: a pinned host pool mirroring a :class:`~kvpool.KVPool`, demotions and loads.
+"""The host-memory tier: a pinned host pool mirroring a ``KVPool``, demotions and loads.
 
 Pages the device pool evicts are demoted to host pages instead of dropped: their bytes (the
 quantized data and block scales, unchanged: fp8 and FP4 pages move 2x and 3.56x fewer bytes
@@ -94,7 +94,9 @@ class HostPool:
     def __init__(self, pool: KVPool, pin_memory: bool | None = None):
         plan: Plan = pool.plan
         if plan.host is None or plan.host.num_pages == 0:
-            raise ValueError("the plan has no host pool: size_for(..., host_memory=...) or host_pages=...")
+            raise ValueError(
+                "the plan has no host pool: size_for(..., host_memory=...) or host_pages=..."
+            )
         self.plan = plan
         self.num_pages = plan.host.num_pages
         self.page_size = plan.page_size
