@@ -335,3 +335,47 @@ def test_example_runs_for_every_dtype_in_process():
     for dtype in ("bf16", "nvfp4", "fp4_mx_block16"):
         without, with_ = ns["main"](["--dtype", dtype, "--sessions", "4", "--turns", "4"])
         assert with_ >= without
+
+
+# --- on a GPU: pinned host pool, copies on the current stream, loads on a side stream ---
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "fp4_mx_block16"])
+def test_gpu_demote_and_load_are_byte_exact_and_asynchronous(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plan = plan_for(dtype, pages=16, host_pages=32, page_size=16)
+    pool = kvpool.KVPool(plan, device="cuda")
+    tier = HostTier(pool)
+    assert tier.host.pinned and all(t.is_pinned() for t in tier.host.buffers.values())
+    devs = [d for pairs in tier.host.layers.values() for d, _ in pairs]
+    tokens = np.arange(160, dtype=np.int32)  # 10 pages of 16
+    own = tier.alloc(10)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for d in devs:
+        for p in own:
+            v = d[int(p)].reshape(-1).view(torch.uint8)
+            v.copy_(torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8, device="cuda"))
+    want = page_bytes(devs, own)
+    tier.cache.insert(tokens, own)
+    tier.allocator.free(own)
+    other = tier.alloc(16)  # demotes all 10; the copies run before these pages are written
+    for d in devs:
+        for p in other:
+            d[int(p)].reshape(-1).view(torch.uint8).fill_(0)
+    tier.allocator.free(other)
+    m = tier.match(tokens)
+    assert m.host_len == 160
+    tier.cache.lock(m.node)
+    load = tier.load(m)
+    assert load is not None
+    for layer in pool.layers:
+        load.wait(layer)
+    got = page_bytes(devs, load.device_pages)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    tier.cache.unlock(m.node)
+    tier.allocator.free(load.device_pages)
+    torch.cuda.synchronize()
+    tier.poll()
+    assert tier.host_allocator.num_used == 0

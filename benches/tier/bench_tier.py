@@ -155,6 +155,7 @@ def replay(spec, dtype: str, a, with_host: bool) -> dict:
     kv_ms = []
     proxy_ms = []
     g = torch.Generator(device=dev).manual_seed(0)
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the model's activations
     for prompt, ans in reqs:
         sync(dev)
         t0 = time.perf_counter()
@@ -178,9 +179,9 @@ def replay(spec, dtype: str, a, with_host: bool) -> dict:
         nt = len(loc)
         cu = np.array([0, nt], np.int32)
         for layer in layers:
-            k = torch.randn(nt, H, D, device=dev, generator=g, dtype=torch.float32)
-            v = torch.randn(nt, H, D, device=dev, generator=g, dtype=torch.float32)
-            q = torch.randn(nt, Hq, D, device=dev, generator=g, dtype=torch.float32)
+            k = torch.randn(nt, H, D, device=dev, generator=g, dtype=dt)
+            v = torch.randn(nt, H, D, device=dev, generator=g, dtype=dt)
+            q = torch.randn(nt, Hq, D, device=dev, generator=g, dtype=dt)
             if load is not None:
                 load.wait(layer)
             pool.write(layer, loc, k, v)

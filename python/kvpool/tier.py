@@ -185,13 +185,13 @@ class PageLoad:
         """
         for (g, i), ev in self._events.items():
             if i == layer and (group is None or g == group) and ev is not None:
-                torch.cuda.current_stream().wait_event(ev)
+                torch.cuda.current_stream(ev.device).wait_event(ev)
 
     def wait_all(self) -> None:
         """Makes the current stream wait for every layer's load."""
         for ev in self._events.values():
             if ev is not None:
-                torch.cuda.current_stream().wait_event(ev)
+                torch.cuda.current_stream(ev.device).wait_event(ev)
 
 
 class HostTier:
@@ -326,7 +326,7 @@ class HostTier:
                 self.host.copy_pages(hp, dev, to_host=False, layers=[key])
                 events[key] = None
             return events
-        self._stream.wait_stream(torch.cuda.current_stream())
+        self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(self._stream):
             for key in self.host.layers:
                 self.host.copy_pages(hp, dev, to_host=False, layers=[key])
