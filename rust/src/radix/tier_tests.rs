@@ -110,3 +110,38 @@ fn locked_paths_are_never_demoted() {
     c.unlock(m.node).unwrap();
     c.check_invariants_tiered(&a, &h).unwrap();
 }
+
+#[test]
+fn insert_splitting_a_host_edge_promotes_its_head() {
+    let (mut a, mut h, mut c) = setup(8, 8);
+    let ns = Namespace::none();
+    put(&mut a, &mut h, &mut c, &[1, 2, 3, 4]);
+    c.evict_tiered(&mut a, &mut h, 4).unwrap();
+    c.take_demotions();
+    // No match before: the insert itself splits the host edge after [1, 2].
+    let p = c.alloc_tiered(&mut a, &mut h, 4).unwrap();
+    assert_eq!(c.insert_tiered(&mut a, &mut h, &ns, &[1, 2, 9, 9], &[&p[..]]).unwrap(), 0);
+    a.free(&p).unwrap();
+    c.check_invariants_tiered(&a, &h).unwrap();
+    let m = c.match_prefix(&ns, &[1, 2, 9, 9]);
+    assert_eq!(m.pages.iter().map(|x| x.as_i32()).collect::<Vec<_>>(), p);
+    let hm = c.match_prefix_host(&ns, &[1, 2, 3, 4]);
+    assert_eq!((hm.device_len, hm.len), (2, 2));
+    assert_eq!((c.host_size(), h.num_used()), (2, 2));
+}
+
+#[test]
+fn namespaces_stay_apart_on_the_host() {
+    let (mut a, mut h, mut c) = setup(4, 8);
+    let mut b = Namespace::builder();
+    b.str("lora");
+    let other = b.finish();
+    put(&mut a, &mut h, &mut c, &[1, 2]);
+    c.evict_tiered(&mut a, &mut h, 2).unwrap();
+    c.take_demotions();
+    assert_eq!(c.match_prefix_host(&other, &[1, 2]).len, 0);
+    assert_eq!(c.match_prefix_host(&Namespace::none(), &[1, 2]).len, 2);
+    // The host pages of a namespace whose last node is dropped free its root too.
+    c.reset_tiered(&mut a, &mut h).unwrap();
+    assert_eq!((c.num_nodes(), h.num_used()), (0, 0));
+}
