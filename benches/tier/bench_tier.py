@@ -27,10 +27,9 @@ import platform
 import time
 import warnings
 
+import kvpool
 import numpy as np
 import torch
-
-import kvpool
 from kvpool.tier import HostPool, HostTier, TierMatch
 
 TOY = kvpool.ModelSpec.from_dict({"num_hidden_layers": 4, "hidden_size": 512,
@@ -222,8 +221,8 @@ def main(argv=None) -> dict:
         wspec = TOY
         a.pool_pages, a.turns, a.system, a.user, a.answer = 32, 4, 64, 16, 16
     dev = torch.device(a.device)
-    machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
-               else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    cpu = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu
     res = {"machine": machine, "model": spec.name, "workload_model": wspec.name,
            "torch": torch.__version__,
            "prefill_tokens_per_s_assumed": a.prefill_tokens_per_s,
@@ -243,8 +242,9 @@ def main(argv=None) -> dict:
             r = replay(wspec, d, a, with_host)
             res["workload"].append(r)
             print(f"workload {d:10s} host={with_host!s:5s} hit_rate {r['hit_rate']:.3f}  "
-                  f"kv path {r['kv_path_ms_mean']:8.2f} ms  TTFT proxy {r['ttft_proxy_ms_mean']:8.2f} ms"
-                  f" (p90 {r['ttft_proxy_ms_p90']:.2f})", flush=True)
+                  f"kv path {r['kv_path_ms_mean']:8.2f} ms  "
+                  f"TTFT proxy {r['ttft_proxy_ms_mean']:8.2f} ms "
+                  f"(p90 {r['ttft_proxy_ms_p90']:.2f})", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)
