@@ -166,6 +166,12 @@ class PageLoad:
         Whether the node moved to the device tier (False when it was dropped from the host
         meanwhile: the pages still hold the right bytes, the request keeps them and its insert
         caches them).
+
+    Notes
+    -----
+    On CUDA the copies run on the tier's side stream: a request that stops before its forward
+    (cancelled) calls :meth:`wait_all` before it frees ``device_pages``, so that no later
+    write to them on the current stream races with the load.
     """
 
     def __init__(self, tier: HostTier, device_pages: np.ndarray, host_pages: np.ndarray,
