@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use super::array::{count, detachable, grant_of, ints, page_array_granted, Int};
+use super::array::{count, grant_of, ints, page_array_granted, Int};
 use super::error::to_py;
 use crate::alloc::{AllocError, PageAllocator};
 
@@ -239,11 +239,11 @@ impl PyPageAllocator {
     ///     `pages` is not a contiguous 1-D int32/int64 numpy array.
     fn free(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
-        let p = arr.pages("pages")?;
-        let long = p.len() >= DETACH_MIN;
-        let gens = self.granted(pages, p.len())?;
-        let p = detachable(p, long)?;
-        with_lock(py, &self.inner, long, |a| {
+        let view = arr.view("pages")?;
+        let gens = self.granted(pages, view.len())?;
+        // (copied, then checked and applied: with the GIL released when long)
+        with_lock(py, &self.inner, view.long(), |a| {
+            let p = view.pages_stable()?;
             if let Some(g) = &gens {
                 a.check_grant(&p, g)?;
             }
@@ -260,11 +260,11 @@ impl PyPageAllocator {
     ///     As `free`, or a page at the maximum count (nothing changes).
     fn inc_ref(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
-        let p = arr.pages("pages")?;
-        let long = p.len() >= DETACH_MIN;
-        let gens = self.granted(pages, p.len())?;
-        let p = detachable(p, long)?;
-        with_lock(py, &self.inner, long, |a| {
+        let view = arr.view("pages")?;
+        let gens = self.granted(pages, view.len())?;
+        // (copied, then checked and applied: with the GIL released when long)
+        with_lock(py, &self.inner, view.long(), |a| {
+            let p = view.pages_stable()?;
             if let Some(g) = &gens {
                 a.check_grant(&p, g)?;
             }

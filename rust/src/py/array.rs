@@ -12,9 +12,9 @@ use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
 use pyo3::types::{PyBool, PyInt, PySlice, PyTuple};
 
+use super::detach::View;
 use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
-use crate::radix;
 
 /// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
 /// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page; so is a
@@ -179,11 +179,23 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input), none negative.
-    pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
-        let t = self.int32s(name, radix::narrow_tokens)?;
-        radix::check_tokens(&t).map_err(to_py)?;
-        Ok(t)
+    /// The values as a [`View`] to read in the call's Rust work (with the GIL released when
+    /// long): O(1) here, the checks and copies happen there.
+    pub(crate) fn view(&self, name: &str) -> PyResult<View<'_>> {
+        match self {
+            Self::Short(py, v) => v
+                .as_deref()
+                .map(|s| View::i32s(s, true))
+                .ok_or_else(|| contiguous(*py, name)),
+            Self::I32(a) => a
+                .as_slice()
+                .map(|s| View::i32s(s, false))
+                .map_err(|_| contiguous(self.py(), name)),
+            Self::I64(a) => a
+                .as_slice()
+                .map(View::i64s)
+                .map_err(|_| contiguous(self.py(), name)),
+        }
     }
 
     /// Page ids as int32 (borrowed for int32 input).

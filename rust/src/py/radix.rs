@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
-use super::array::{count, detachable, ints, page_array, Int};
+use super::array::{count, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
@@ -288,15 +288,16 @@ impl PyRadixCache {
     ) -> PyResult<MatchTuple<'py>> {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
-        let tokens = arr.tokens("tokens")?;
-        let long = tokens.len() >= DETACH_MIN;
-        let tokens = detachable(tokens, long)?;
-        let (pages, node, len) = with_lock(py, &self.cache, long, |c| {
-            let mut pages = try_vec::<i32>(tokens.len() / c.page_size(), || {
-                format!("the pages of {} tokens", tokens.len())
+        let view = arr.view("tokens")?;
+        // (read in place, checked, the result made, all with the GIL released when long)
+        let (pages, node, len) = with_lock(py, &self.cache, view.long(), |c| {
+            let n = view.len();
+            let mut pages =
+                try_vec::<i32>(n / c.page_size(), || format!("the pages of {n} tokens"))?;
+            let (node, len) = view.with_tokens(|t| {
+                c.match_prefix_with(&ns, t, |p| pages.extend_from_slice(p))
             })?;
-            let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
-            Ok::<_, AllocError>((pages, node, len))
+            Ok::<_, RadixError>((pages, node, len))
         })
         .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
@@ -356,20 +357,23 @@ impl PyRadixCache {
                 r => r,
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let toks = t.tokens("tokens")?;
+        let toks = t.view("tokens")?;
         let parts = arrays
             .iter()
-            .map(|a| a.pages("pages"))
+            .map(|a| a.view("pages"))
             .collect::<PyResult<Vec<_>>>()?;
         let long = toks.len() + parts.iter().map(|p| p.len()).sum::<usize>() >= DETACH_MIN;
-        let toks = detachable(toks, long)?;
-        let parts = parts
-            .into_iter()
-            .map(|p| detachable(p, long))
-            .collect::<PyResult<Vec<_>>>()?;
-        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
-        self.with_both(py, long, |c, a| c.insert_parts(a, &ns, &toks, &parts))
-            .map_err(to_py)
+        // (checked and copied with the GIL released when long: see `detach.rs`)
+        self.with_both(py, long, |c, a| {
+            let toks = toks.tokens_stable()?;
+            let parts = parts
+                .iter()
+                .map(|p| p.pages_stable())
+                .collect::<Result<Vec<_>, _>>()?;
+            let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+            c.insert_parts(a, &ns, &toks, &parts)
+        })
+        .map_err(to_py)
     }
 
     /// Protects the node and its path to the root from eviction (counted).
