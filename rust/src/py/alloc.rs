@@ -119,8 +119,8 @@ pub(crate) fn hand_out<'py>(
 /// Threading: an allocator may be shared by threads (and with `RadixCache` objects built on it);
 /// each call takes its mutex and is atomic. Calls whose work grows with the input (`alloc`/`free`/
 /// `inc_ref` of 16,384 pages or more, `ref_counts`, construction of a large pool) release the GIL;
-/// shorter ones keep it unless they must wait for the mutex. Arrays passed in are copied before the
-/// GIL is released; do not write a `free` argument from another thread during the call. Races
+/// shorter ones keep it unless they must wait for the mutex. Arrays passed in are read (and copied)
+/// with the GIL released: do not write a `free` argument from another thread during the call. Races
 /// between calls are the caller's to close (two threads freeing one request's pages: the second
 /// gets `PageError`).
 ///

@@ -256,9 +256,10 @@ pub(crate) fn count(what: &'static str, value: &Int) -> PyResult<usize> {
     }
 }
 
-/// `s` as an owned copy when the call runs with the GIL released (numpy memory is not read
-/// then: another Python thread may write it), else as it is. A copy that cannot be allocated
-/// is MemoryError.
+/// `s` as an owned copy when the call runs with the GIL released, else as it is: for short
+/// arguments (O(batch) lengths) that a call checks with the GIL held and then relies on. Long
+/// arrays are read with the GIL released instead ([`super::detach::View`]). A copy that cannot
+/// be allocated is MemoryError.
 pub(crate) fn detachable<T: Copy>(s: Cow<'_, [T]>, long: bool) -> PyResult<Cow<'_, [T]>> {
     match s {
         Cow::Borrowed(b) if long => {

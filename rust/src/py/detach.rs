@@ -7,10 +7,10 @@
 //! copy of ids the call validates and then applies, the result's allocation and page faults.
 //!
 //! The contract this needs: a caller does not write an array argument from another thread while
-//! the call runs (the call reads it without a copy, or copies it, with the GIL released). numpy
-//! keeps the buffer where it is while the call holds its reference; a write during the call can
-//! only change what the call sees, never the memory safety or the tree's and allocator's
-//! consistency (ids that are validated and then applied are copied first).
+//! the call runs (the call reads it in place, or copies it, with the GIL released: such a write
+//! is a data race). numpy keeps the buffer in place while the call holds its reference. Ids the
+//! call checks and then applies (pages, slots, inserted tokens) are copied first, so a racing
+//! write cannot make them differ between the check and the change.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -98,10 +98,11 @@ impl<'a> View<'a> {
         }
         let narrow = |v: &mut Vec<i32>| -> Result<(), AllocError> {
             v.clear();
-            v.try_reserve_exact(s.len()).map_err(|_| AllocError::NoMemory {
-                what: format!("int32 copies of {} int64 tokens", s.len()),
-                bytes: 4 * s.len() as u64,
-            })?;
+            v.try_reserve_exact(s.len())
+                .map_err(|_| AllocError::NoMemory {
+                    what: format!("int32 copies of {} int64 tokens", s.len()),
+                    bytes: 4 * s.len() as u64,
+                })?;
             v.extend(s.iter().map(|&t| t as i32));
             Ok(())
         };

@@ -152,7 +152,8 @@ fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>
 /// allocator's) and is atomic, so calls on one cache run one at a time; calls on different caches,
 /// and Python code in other threads, run alongside the long ones: `match_prefix` and `insert` of
 /// 16,384 tokens or more, `evict` of as many, `alloc` of 16,384 pages or more, `reset`,
-/// `check_invariants` and `leaf_paths` release the GIL (their array arguments are copied first).
+/// `check_invariants` and `leaf_paths` release the GIL; they read (and copy) their array arguments
+/// with it released, so do not write an argument from another thread during the call.
 /// Sequences of calls are not atomic: another thread may evict the node `match_prefix` returned
 /// before `lock` takes it (`StaleNodeError`: treat it as a miss and match again), or take the pages
 /// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
