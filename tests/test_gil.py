@@ -126,3 +126,22 @@ def test_long_calls_keep_their_results(dtype):
         with pytest.raises(kvpool.InvalidArgumentError, match=str(1 << 40)):
             c.match_prefix(big)
     c.check_invariants()
+
+
+def test_long_debug_grants_and_frees():
+    """A debug-mode allocator's long `alloc` fills its grant buffer with the GIL released; the
+    array still carries the generations (a free after reuse is caught) and long frees copy the
+    ids before checking them."""
+    import numpy as np
+
+    n = 1 << 14
+    a = kvpool.PageAllocator(2 * n, 1, debug=True)
+    p = a.alloc(n)
+    assert p.dtype == np.int32 and p.shape == (n,) and len(set(p.tolist())) == n
+    a.free(p)
+    q = a.alloc(2 * n)
+    with pytest.raises(kvpool.PageError):
+        a.free(p)  # stale: its pages were handed out again
+    assert a.num_used == 2 * n
+    a.free(q.astype(np.int64))  # (a copy: not checked, freed through the int64 path)
+    assert a.num_used == 0

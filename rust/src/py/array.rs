@@ -279,7 +279,8 @@ pub(crate) fn detachable<T: Copy>(s: Cow<'_, [T]>, long: bool) -> PyResult<Cow<'
 const GRANT_MAGIC: i32 = 0x4B56_5047; // "KVPG"
 const GRANT_HEAD: usize = 3;
 
-/// The page array of `pages` with their generations `gens` recorded (see [`GRANT_MAGIC`]).
+/// The page array of `pages` with their generations `gens` recorded (see [`GRANT_MAGIC`]); the
+/// buffer is filled with the GIL released for 16,384 pages or more.
 pub(crate) fn page_array_granted<'py>(
     py: Python<'py>,
     tag: i32,
@@ -287,12 +288,15 @@ pub(crate) fn page_array_granted<'py>(
     gens: &[u32],
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let n = pages.len();
-    let mut buf = alloc::try_vec::<i32>(GRANT_HEAD + 2 * n, || format!("`n` = {n} page ids"))
-        .map_err(to_py)?;
-    buf.extend([GRANT_MAGIC, tag, n as i32]);
-    buf.extend(gens.iter().map(|&g| g as i32));
-    buf.extend_from_slice(pages);
-    let full = PyArray1::from_vec(py, buf);
+    let fill = || {
+        let mut buf = alloc::try_vec::<i32>(GRANT_HEAD + 2 * n, || format!("`n` = {n} page ids"))?;
+        buf.extend([GRANT_MAGIC, tag, n as i32]);
+        buf.extend(gens.iter().map(|&g| g as i32));
+        buf.extend_from_slice(pages);
+        Ok::<_, alloc::AllocError>(buf)
+    };
+    let buf = if n >= super::alloc::DETACH_MIN { py.detach(fill) } else { fill() };
+    let full = PyArray1::from_vec(py, buf.map_err(to_py)?);
     let start = GRANT_HEAD + n;
     let view = full.get_item(PySlice::new(py, start as isize, (start + n) as isize, 1))?;
     Ok(view.cast_into::<PyArray1<i32>>()?)
