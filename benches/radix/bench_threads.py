@@ -7,7 +7,9 @@ Timed: `--calls` full-length `match_prefix` calls per thread, first one thread (
 then both at once. Ratio = throughput of two threads / throughput of one (2.0 = perfect overlap;
 about 1.0 when the GIL is held, as before issue 18).
 
-Also measured: `gil_ticks` (steps of a GIL-yielding thread during long calls with the switch
+Also measured: the CPU time per call in one and in two threads (their quotient, times 2, is the
+ratio two free cores allow once the GIL is not held: memory-bandwidth contention lowers it),
+`gil_ticks` (steps of a GIL-yielding thread during long calls with the switch
 interval at 30 s: shows the release whatever the load), one thread's CPU time / wall time (below
 1.0 the machine is oversubscribed and the ratio cannot reach 2), and the longest stall of a "ticker" thread (sleeps 0.5 ms in a loop, records the longest
 gap) while the main thread runs one long `match_prefix` and drops its result, with int32 and
@@ -62,21 +64,25 @@ def run(caches, tokens, calls: int) -> float:
 def ticker_stall(cache, tokens) -> tuple[float, float]:
     """(longest gap in ms a 0.5 ms ticker thread sees while one match_prefix runs and its result
     is dropped, that call's ms). The GIL held for X ms shows as a gap of X ms or more."""
-    stop = threading.Event()
-    gaps = []
+    stop, go, gap = threading.Event(), threading.Event(), [0.0]
 
     def tick():
-        last = time.perf_counter()
+        # (a running maximum: growing a list of gaps would take the memory-map lock, which the
+        # call's page faults and frees contend for, and measure that instead of the GIL)
+        last, m = time.perf_counter(), 0.0
+        go.set()
         while not stop.is_set():
             time.sleep(0.0005)
             now = time.perf_counter()
-            gaps.append(now - last)
+            m = max(m, now - last) if not go.is_set() else 0.0
             last = now
+        gap[0] = m
 
     t = threading.Thread(target=tick)
     t.start()
+    go.wait()
     time.sleep(0.01)
-    gaps.clear()
+    go.clear()
     t0 = time.perf_counter()
     r = cache.match_prefix(tokens)
     call = time.perf_counter() - t0
@@ -84,7 +90,7 @@ def ticker_stall(cache, tokens) -> tuple[float, float]:
     time.sleep(0.003)
     stop.set()
     t.join()
-    return 1e3 * max(gaps), 1e3 * call
+    return 1e3 * gap[0], 1e3 * call
 
 
 def stalls(cache, tokens, n: int = 30) -> dict:
@@ -150,9 +156,21 @@ def main() -> None:
     run(caches[:1], tokens, 1)  # warm
     rounds = []
     for _ in range(args.rounds):
+        c0 = time.process_time()
         t1 = run(caches[:1], tokens, args.calls)
+        c1 = time.process_time()
         t2 = run(caches, tokens, args.calls)
-        rounds.append({"one_thread_s": t1, "two_threads_s": t2, "ratio": 2 * t1 / t2})
+        c2 = time.process_time()
+        rounds.append(
+            {
+                "one_thread_s": t1,
+                "two_threads_s": t2,
+                "ratio": 2 * t1 / t2,
+                # CPU per call: more with two threads = contention for memory bandwidth and caches
+                "cpu_ms_per_call_one_thread": 1e3 * (c1 - c0) / args.calls,
+                "cpu_ms_per_call_two_threads": 1e3 * (c2 - c1) / (2 * args.calls),
+            }
+        )
         print(f"1 thread {t1:.3f} s, 2 threads {t2:.3f} s: ratio {2 * t1 / t2:.2f}", flush=True)
     stall = {"int32": stalls(caches[0], tokens), "int64": stalls(caches[0], tokens.astype(np.int64))}
     ticks = gil_ticks(caches[0], tokens)
@@ -161,6 +179,12 @@ def main() -> None:
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - w0)
     print(f"GIL-yielding thread steps during 20 long calls: {ticks}; one thread's CPU/wall {cpu_share:.2f}")
     per_call = min(r["one_thread_s"] for r in rounds) / args.calls
+    cpu1 = min(r["cpu_ms_per_call_one_thread"] for r in rounds)
+    cpu2 = min(r["cpu_ms_per_call_two_threads"] for r in rounds)
+    # (the ratio two free cores allow once the GIL is not held: one thread's CPU per call over
+    # two threads'; it says nothing of GIL serialization, which costs no CPU: see ticker_stall)
+    ceiling = 2 * cpu1 / cpu2
+    print(f"CPU per call: {cpu1:.2f} ms in one thread, {cpu2:.2f} ms in two: ceiling {ceiling:.2f}")
     print(f"match_prefix of {args.tokens} tokens: {1e3 * per_call:.1f} ms")
     for dt, st in stall.items():
         print(
@@ -181,6 +205,7 @@ def main() -> None:
         "ticker_stall": stall,
         "gil_yield_steps_during_20_calls": ticks,
         "one_thread_cpu_over_wall": cpu_share,
+        "ratio_ceiling_from_cpu": ceiling,
         "load_avg": os.getloadavg(),
     }
     if args.out:
