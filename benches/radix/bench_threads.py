@@ -11,9 +11,9 @@ Also measured: the CPU time per call in one and in two threads (their quotient, 
 ratio two free cores allow once the GIL is not held: memory-bandwidth contention lowers it),
 `gil_ticks` (steps of a GIL-yielding thread during long calls with the switch
 interval at 30 s: shows the release whatever the load), one thread's CPU time / wall time (below
-1.0 the machine is oversubscribed and the ratio cannot reach 2), and the longest stall of a "ticker" thread (sleeps 0.5 ms in a loop, records the longest
-gap) while the main thread runs one long `match_prefix` and drops its result, with int32 and
-int64 tokens, over 30 calls: the GIL held for X ms shows as a stall of X ms or more in every call
+1.0 the machine is oversubscribed and the ratio cannot reach 2), and the longest stall of a
+"ticker" thread (sleeps 0.5 ms in a loop, records the longest gap) while the main thread runs
+one long `match_prefix` and drops its result, with int32 and int64 tokens, over 30 calls: the GIL held for X ms shows as a stall of X ms or more in every call
 (the minimum over calls is the estimate on a loaded machine, where the ticker also waits for a
 core), reported against the call's time.
 
@@ -28,9 +28,8 @@ import platform
 import threading
 import time
 
-import numpy as np
-
 import kvpool
+import numpy as np
 
 
 def make_cache(tokens: np.ndarray) -> kvpool.RadixCache:
@@ -172,25 +171,27 @@ def main() -> None:
             }
         )
         print(f"1 thread {t1:.3f} s, 2 threads {t2:.3f} s: ratio {2 * t1 / t2:.2f}", flush=True)
-    stall = {"int32": stalls(caches[0], tokens), "int64": stalls(caches[0], tokens.astype(np.int64))}
+    t64 = tokens.astype(np.int64)
+    stall = {"int32": stalls(caches[0], tokens), "int64": stalls(caches[0], t64)}
     ticks = gil_ticks(caches[0], tokens)
     cpu0, w0 = time.process_time(), time.perf_counter()
     run(caches[:1], tokens, args.calls)
     cpu_share = (time.process_time() - cpu0) / (time.perf_counter() - w0)
-    print(f"GIL-yielding thread steps during 20 long calls: {ticks}; one thread's CPU/wall {cpu_share:.2f}")
+    print(f"GIL-yielding thread steps during 20 long calls: {ticks}; CPU/wall {cpu_share:.2f}")
     per_call = min(r["one_thread_s"] for r in rounds) / args.calls
     cpu1 = min(r["cpu_ms_per_call_one_thread"] for r in rounds)
     cpu2 = min(r["cpu_ms_per_call_two_threads"] for r in rounds)
     # (the ratio two free cores allow once the GIL is not held: one thread's CPU per call over
     # two threads'; it says nothing of GIL serialization, which costs no CPU: see ticker_stall)
     ceiling = 2 * cpu1 / cpu2
-    print(f"CPU per call: {cpu1:.2f} ms in one thread, {cpu2:.2f} ms in two: ceiling {ceiling:.2f}")
+    print(f"CPU per call: {cpu1:.2f} ms in one thread, {cpu2:.2f} ms in two: {ceiling:.2f}")
     print(f"match_prefix of {args.tokens} tokens: {1e3 * per_call:.1f} ms")
     for dt, st in stall.items():
         print(
-            f"{dt} tokens: ticker stall min {st['stall_ms_min']:.2f} ms (median {st['stall_ms_median']:.2f})"
-            f" on calls of min {st['call_ms_min']:.2f} ms (median {st['call_ms_median']:.2f}):"
-            f" stall/call min {st['stall_over_call_min']:.2f}, median {st['stall_over_call_median']:.2f}"
+            f"{dt} tokens: ticker stall min {st['stall_ms_min']:.2f} ms"
+            f" (median {st['stall_ms_median']:.2f}) on calls of min {st['call_ms_min']:.2f} ms"
+            f" (median {st['call_ms_median']:.2f}): stall/call min"
+            f" {st['stall_over_call_min']:.2f}, median {st['stall_over_call_median']:.2f}"
         )
     result = {
         "machine": f"{args.machine} ({platform.machine()}, {os.cpu_count()} CPUs)",
