@@ -13,9 +13,10 @@ ratio two free cores allow once the GIL is not held: memory-bandwidth contention
 interval at 30 s: shows the release whatever the load), one thread's CPU time / wall time (below
 1.0 the machine is oversubscribed and the ratio cannot reach 2), and the longest stall of a
 "ticker" thread (sleeps 0.5 ms in a loop, records the longest gap) while the main thread runs
-one long `match_prefix` and drops its result, with int32 and int64 tokens, over 30 calls: the GIL held for X ms shows as a stall of X ms or more in every call
-(the minimum over calls is the estimate on a loaded machine, where the ticker also waits for a
-core), reported against the call's time.
+one long `match_prefix` and drops its result, with int32 and int64 tokens, over 30 calls: the
+GIL held for X ms shows as a stall of X ms or more in every call (the minimum over calls is the
+estimate on a loaded machine, where the ticker also waits for a core), reported against the
+call's time.
 
 Usage: python benches/radix/bench_threads.py [--tokens 4194304] [--calls 8] [--rounds 3]
        [--out benches/radix/results/threads-<machine>.json] [--machine 'CPU VM 2 cores, loaded']
