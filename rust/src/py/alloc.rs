@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use super::array::{count, detachable, grant_of, ints, page_array_granted, Int};
+use super::array::{count, grant_of, ints, page_array_granted, Int};
 use super::error::to_py;
 use crate::alloc::{AllocError, PageAllocator};
 
@@ -119,8 +119,8 @@ pub(crate) fn hand_out<'py>(
 /// Threading: an allocator may be shared by threads (and with `RadixCache` objects built on it);
 /// each call takes its mutex and is atomic. Calls whose work grows with the input (`alloc`/`free`/
 /// `inc_ref` of 16,384 pages or more, `ref_counts`, construction of a large pool) release the GIL;
-/// shorter ones keep it unless they must wait for the mutex. Arrays passed in are copied before the
-/// GIL is released; do not write a `free` argument from another thread during the call. Races
+/// shorter ones keep it unless they must wait for the mutex. Arrays passed in are read (and copied)
+/// with the GIL released: do not write a `free` argument from another thread during the call. Races
 /// between calls are the caller's to close (two threads freeing one request's pages: the second
 /// gets `PageError`).
 ///
@@ -239,11 +239,11 @@ impl PyPageAllocator {
     ///     `pages` is not a contiguous 1-D int32/int64 numpy array.
     fn free(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
-        let p = arr.pages("pages")?;
-        let long = p.len() >= DETACH_MIN;
-        let gens = self.granted(pages, p.len())?;
-        let p = detachable(p, long)?;
-        with_lock(py, &self.inner, long, |a| {
+        let view = arr.view("pages")?;
+        let gens = self.granted(pages, view.len())?;
+        // (copied, then checked and applied: with the GIL released when long)
+        with_lock(py, &self.inner, view.long(), |a| {
+            let p = view.pages_stable()?;
             if let Some(g) = &gens {
                 a.check_grant(&p, g)?;
             }
@@ -260,11 +260,11 @@ impl PyPageAllocator {
     ///     As `free`, or a page at the maximum count (nothing changes).
     fn inc_ref(&self, py: Python<'_>, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let arr = ints(pages, "pages")?;
-        let p = arr.pages("pages")?;
-        let long = p.len() >= DETACH_MIN;
-        let gens = self.granted(pages, p.len())?;
-        let p = detachable(p, long)?;
-        with_lock(py, &self.inner, long, |a| {
+        let view = arr.view("pages")?;
+        let gens = self.granted(pages, view.len())?;
+        // (copied, then checked and applied: with the GIL released when long)
+        with_lock(py, &self.inner, view.long(), |a| {
+            let p = view.pages_stable()?;
             if let Some(g) = &gens {
                 a.check_grant(&p, g)?;
             }

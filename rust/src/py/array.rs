@@ -12,9 +12,9 @@ use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
 use pyo3::types::{PyBool, PyInt, PySlice, PyTuple};
 
+use super::detach::View;
 use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
-use crate::radix;
 
 /// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
 /// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page; so is a
@@ -179,11 +179,23 @@ impl Ints<'_> {
         }
     }
 
-    /// Token ids as int32 (borrowed for int32 input), none negative.
-    pub(crate) fn tokens(&self, name: &str) -> PyResult<Cow<'_, [i32]>> {
-        let t = self.int32s(name, radix::narrow_tokens)?;
-        radix::check_tokens(&t).map_err(to_py)?;
-        Ok(t)
+    /// The values as a [`View`] to read in the call's Rust work (with the GIL released when
+    /// long): O(1) here, the checks and copies happen there.
+    pub(crate) fn view(&self, name: &str) -> PyResult<View<'_>> {
+        match self {
+            Self::Short(py, v) => v
+                .as_deref()
+                .map(|s| View::i32s(s, true))
+                .ok_or_else(|| contiguous(*py, name)),
+            Self::I32(a) => a
+                .as_slice()
+                .map(|s| View::i32s(s, false))
+                .map_err(|_| contiguous(self.py(), name)),
+            Self::I64(a) => a
+                .as_slice()
+                .map(View::i64s)
+                .map_err(|_| contiguous(self.py(), name)),
+        }
     }
 
     /// Page ids as int32 (borrowed for int32 input).
@@ -244,9 +256,10 @@ pub(crate) fn count(what: &'static str, value: &Int) -> PyResult<usize> {
     }
 }
 
-/// `s` as an owned copy when the call runs with the GIL released (numpy memory is not read
-/// then: another Python thread may write it), else as it is. A copy that cannot be allocated
-/// is MemoryError.
+/// `s` as an owned copy when the call runs with the GIL released, else as it is: for short
+/// arguments (O(batch) lengths) that a call checks with the GIL held and then relies on. Long
+/// arrays are read with the GIL released instead ([`super::detach::View`]). A copy that cannot
+/// be allocated is MemoryError.
 pub(crate) fn detachable<T: Copy>(s: Cow<'_, [T]>, long: bool) -> PyResult<Cow<'_, [T]>> {
     match s {
         Cow::Borrowed(b) if long => {
@@ -266,7 +279,8 @@ pub(crate) fn detachable<T: Copy>(s: Cow<'_, [T]>, long: bool) -> PyResult<Cow<'
 const GRANT_MAGIC: i32 = 0x4B56_5047; // "KVPG"
 const GRANT_HEAD: usize = 3;
 
-/// The page array of `pages` with their generations `gens` recorded (see [`GRANT_MAGIC`]).
+/// The page array of `pages` with their generations `gens` recorded (see [`GRANT_MAGIC`]); the
+/// buffer is filled with the GIL released for 16,384 pages or more.
 pub(crate) fn page_array_granted<'py>(
     py: Python<'py>,
     tag: i32,
@@ -274,12 +288,15 @@ pub(crate) fn page_array_granted<'py>(
     gens: &[u32],
 ) -> PyResult<Bound<'py, PyArray1<i32>>> {
     let n = pages.len();
-    let mut buf = alloc::try_vec::<i32>(GRANT_HEAD + 2 * n, || format!("`n` = {n} page ids"))
-        .map_err(to_py)?;
-    buf.extend([GRANT_MAGIC, tag, n as i32]);
-    buf.extend(gens.iter().map(|&g| g as i32));
-    buf.extend_from_slice(pages);
-    let full = PyArray1::from_vec(py, buf);
+    let fill = || {
+        let mut buf = alloc::try_vec::<i32>(GRANT_HEAD + 2 * n, || format!("`n` = {n} page ids"))?;
+        buf.extend([GRANT_MAGIC, tag, n as i32]);
+        buf.extend(gens.iter().map(|&g| g as i32));
+        buf.extend_from_slice(pages);
+        Ok::<_, alloc::AllocError>(buf)
+    };
+    let buf = if n >= super::alloc::DETACH_MIN { py.detach(fill) } else { fill() };
+    let full = PyArray1::from_vec(py, buf.map_err(to_py)?);
     let start = GRANT_HEAD + n;
     let view = full.get_item(PySlice::new(py, start as isize, (start + n) as isize, 1))?;
     Ok(view.cast_into::<PyArray1<i32>>()?)

@@ -3,8 +3,6 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
-use std::borrow::Cow;
-
 use super::alloc::DETACH_MIN;
 use super::array::{count, detachable, ints, table, zeros, Int};
 use super::error::{array_type_error, to_py};
@@ -172,14 +170,11 @@ fn extend_slots<'py>(
     let tab = r
         .as_slice()
         .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    // A long prefill releases the GIL, its inputs copied first (a thread may write them); the
-    // output is written in place: `out` must not be used by another thread during the call.
+    // A long prefill releases the GIL: the lengths (checked above, O(batch)) are copied first,
+    // the table is only read, in place; the output is written in place. Neither may be written
+    // by another thread during the call.
     let long = total >= DETACH_MIN;
-    let (tab, p, s) = (
-        detachable(Cow::Borrowed(tab), long)?,
-        detachable(p, long)?,
-        detachable(s, long)?,
-    );
+    let (p, s) = (detachable(p, long)?, detachable(s, long)?);
     write1(&out, |o| {
         if long {
             py.detach(|| batch::extend_slots(&tab, width, &p, &s, ps, o))

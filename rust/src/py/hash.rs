@@ -4,8 +4,8 @@ use numpy::PyArray1;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::alloc::DETACH_MIN;
-use super::array::{count, detachable, ints, Int};
+use super::array::{count, ints, Int};
+use super::error::to_py;
 use super::radix::namespace as to_namespace;
 use crate::hash;
 
@@ -63,7 +63,8 @@ fn u64_arg(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
 ///
 /// Notes
 /// -----
-/// Releases the GIL for 16,384 tokens or more (the tokens are copied first).
+/// Releases the GIL for 16,384 tokens or more, reading `tokens` in place: no other thread may
+/// write it during the call.
 ///
 /// Examples
 /// --------
@@ -93,12 +94,11 @@ fn page_hashes<'py>(
     let parent = parent.map(|p| u64_arg("parent", p)).transpose()?;
     let ns = to_namespace(namespace)?;
     let arr = ints(tokens, "tokens")?;
-    let toks = arr.tokens("tokens")?;
-    let long = toks.len() >= DETACH_MIN;
-    let toks = detachable(toks, long)?;
-    let run = || hash::page_hashes(&ns, &toks, page_size, seed, parent);
-    let out = if long { py.detach(run) } else { run() };
-    Ok(PyArray1::from_vec(py, out))
+    let view = arr.view("tokens")?;
+    // (read in place and checked with the GIL released when long: see `detach.rs`)
+    let run = || view.with_tokens(|t| hash::page_hashes(&ns, t, page_size, seed, parent));
+    let out = if view.long() { py.detach(run) } else { run() };
+    Ok(PyArray1::from_vec(py, out.map_err(to_py)?))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 mod alloc;
 mod array;
 mod batch;
+mod detach;
 mod error;
 mod hash;
 mod radix;

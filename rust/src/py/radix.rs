@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
-use super::array::{count, detachable, ints, page_array, Int};
+use super::array::{count, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
@@ -154,7 +154,8 @@ pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static,
 /// allocator's) and is atomic, so calls on one cache run one at a time; calls on different caches,
 /// and Python code in other threads, run alongside the long ones: `match_prefix` and `insert` of
 /// 16,384 tokens or more, `evict` of as many, `alloc` of 16,384 pages or more, `reset`,
-/// `check_invariants` and `leaf_paths` release the GIL (their array arguments are copied first).
+/// `check_invariants` and `leaf_paths` release the GIL; they read (and copy) their array arguments
+/// with it released, so do not write an argument from another thread during the call.
 /// Sequences of calls are not atomic: another thread may evict the node `match_prefix` returned
 /// before `lock` takes it (`StaleNodeError`: treat it as a miss and match again), or take the pages
 /// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
@@ -300,15 +301,16 @@ impl PyRadixCache {
     ) -> PyResult<MatchTuple<'py>> {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
-        let tokens = arr.tokens("tokens")?;
-        let long = tokens.len() >= DETACH_MIN;
-        let tokens = detachable(tokens, long)?;
-        let (pages, node, len) = with_lock(py, &self.cache, long, |c| {
-            let mut pages = try_vec::<i32>(tokens.len() / c.page_size(), || {
-                format!("the pages of {} tokens", tokens.len())
+        let view = arr.view("tokens")?;
+        // (read in place, checked, the result made, all with the GIL released when long)
+        let (pages, node, len) = with_lock(py, &self.cache, view.long(), |c| {
+            let n = view.len();
+            let mut pages =
+                try_vec::<i32>(n / c.page_size(), || format!("the pages of {n} tokens"))?;
+            let (node, len) = view.with_tokens(|t| {
+                c.match_prefix_with(&ns, t, |p| pages.extend_from_slice(p))
             })?;
-            let (node, len) = c.match_prefix_with(&ns, &tokens, |p| pages.extend_from_slice(p));
-            Ok::<_, AllocError>((pages, node, len))
+            Ok::<_, RadixError>((pages, node, len))
         })
         .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, pages), PyRadixNode(node), len))
@@ -368,23 +370,35 @@ impl PyRadixCache {
                 r => r,
             })
             .collect::<PyResult<Vec<_>>>()?;
-        let toks = t.tokens("tokens")?;
+        let toks = t.view("tokens")?;
         let parts = arrays
             .iter()
-            .map(|a| a.pages("pages"))
+            .map(|a| a.view("pages"))
             .collect::<PyResult<Vec<_>>>()?;
         let long = toks.len() + parts.iter().map(|p| p.len()).sum::<usize>() >= DETACH_MIN;
-        let toks = detachable(toks, long)?;
-        let parts = parts
-            .into_iter()
-            .map(|p| detachable(p, long))
-            .collect::<PyResult<Vec<_>>>()?;
-        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+        // (checked and copied with the GIL released when long: see `detach.rs`)
+        let run = move |c: &mut RadixCache,
+                        a: &mut PageAllocator,
+                        h: Option<&mut PageAllocator>|
+              -> Result<usize, RadixError> {
+            let toks = toks.tokens_stable()?;
+            let parts = parts
+                .iter()
+                .map(|p| p.pages_stable())
+                .collect::<Result<Vec<_>, _>>()?;
+            let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+            match h {
+                Some(h) => c.insert_tiered(a, h, &ns, &toks, &parts),
+                None => c.insert_parts(a, &ns, &toks, &parts),
+            }
+        };
         if self.has_tier() {
-            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.insert_tiered(a, h, &ns, &toks, &parts);
-            return self.with_tier(py, long, f).and_then(|r| r).map_err(to_py);
+            return self
+                .with_tier(py, long, |c, a, h| run(c, a, Some(h)))
+                .and_then(|r| r)
+                .map_err(to_py);
         }
-        self.with_both(py, long, |c, a| c.insert_parts(a, &ns, &toks, &parts))
+        self.with_both(py, long, |c, a| run(c, a, None))
             .map_err(to_py)
     }
 

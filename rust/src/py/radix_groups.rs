@@ -12,7 +12,8 @@ use pyo3::types::{PyList, PyTuple};
 use super::super::alloc::{
     guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN,
 };
-use super::super::array::{count, detachable, ints, Int};
+use super::super::array::{count, ints, Int};
+use super::super::detach::View;
 use super::super::error::{to_py, InvalidArgumentError};
 use super::super::state::PyStateSlotAllocator;
 use super::{namespace, PyRadixCache, PyRadixNode};
@@ -183,9 +184,9 @@ impl PyRadixCache {
     }
 }
 
-/// [`detachable`] of each array.
-fn copies(v: Vec<Cow<'_, [i32]>>, long: bool) -> PyResult<Vec<Cow<'_, [i32]>>> {
-    v.into_iter().map(|p| detachable(p, long)).collect()
+/// [`View::pages_stable`] of each array.
+fn copies<'a>(v: &[View<'a>]) -> Result<Vec<Cow<'a, [i32]>>, AllocError> {
+    v.iter().map(|p| p.pages_stable()).collect()
 }
 
 /// `match_prefix_groups`' result: (pages, node, len, sliding pages per group, state slot).
@@ -214,12 +215,12 @@ impl PyRadixCache {
     ) -> PyResult<GroupMatchTuple<'py>> {
         let ns = namespace(ns)?;
         let arr = ints(tokens, "tokens")?;
-        let tokens = arr.tokens("tokens")?;
-        let long = tokens.len() >= DETACH_MIN;
-        let tokens = detachable(tokens, long)?;
-        let m = with_lock(py, &self.cache, long, |c| {
-            c.match_prefix_groups(&ns, &tokens)
-        });
+        let view = arr.view("tokens")?;
+        // (read in place and checked with the GIL released when long: see `detach.rs`)
+        let m = with_lock(py, &self.cache, view.long(), |c| {
+            view.with_tokens(|t| c.match_prefix_groups(&ns, t))
+        })
+        .map_err(to_py)?;
         let sliding = m
             .sliding
             .into_iter()
@@ -273,28 +274,26 @@ impl PyRadixCache {
             .enumerate()
             .map(|(i, a)| ints(a, &format!("sliding_pages[{i}]")))
             .collect::<PyResult<Vec<_>>>()?;
-        let toks = t.tokens("tokens")?;
+        let toks = t.view("tokens")?;
         let parts = arrays
             .iter()
-            .map(|a| a.pages("pages"))
+            .map(|a| a.view("pages"))
             .collect::<PyResult<Vec<_>>>()?;
         let sl = sl
             .iter()
             .enumerate()
-            .map(|(i, a)| a.pages(&format!("sliding_pages[{i}]")))
+            .map(|(i, a)| a.view(&format!("sliding_pages[{i}]")))
             .collect::<PyResult<Vec<_>>>()?;
         let total = toks.len()
             + parts.iter().map(|p| p.len()).sum::<usize>()
             + sl.iter().map(|p| p.len()).sum::<usize>();
-        let long = total >= DETACH_MIN;
-        let (toks, parts, sl) = (
-            detachable(toks, long)?,
-            copies(parts, long)?,
-            copies(sl, long)?,
-        );
-        let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
-        let sl: Vec<&[i32]> = sl.iter().map(|p| &p[..]).collect();
-        self.with_spaces(py, long, |c, a, o| {
+        // (checked and copied with the GIL released when long: see `detach.rs`)
+        self.with_spaces(py, total >= DETACH_MIN, |c, a, o| {
+            let toks = toks.tokens_stable()?;
+            let parts = copies(&parts)?;
+            let sl = copies(&sl)?;
+            let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+            let sl: Vec<&[i32]> = sl.iter().map(|p| &p[..]).collect();
             c.insert_groups(a, o, &ns, &toks, &parts, &sl, state)
         })
         .map_err(to_py)

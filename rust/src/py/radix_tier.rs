@@ -120,11 +120,13 @@ impl PyRadixCache {
     ) -> PyResult<HostMatchTuple<'py>> {
         let ns = namespace(ns)?;
         let arr = ints(tokens, "tokens")?;
-        let tokens = arr.tokens("tokens")?;
-        let long = tokens.len() >= DETACH_MIN;
-        let tokens = detachable(tokens, long)?;
+        let view = arr.view("tokens")?;
+        // (read in place and checked with the GIL released when long: see `detach.rs`)
         let m = self
-            .with_tier(py, long, |c, _, _| c.match_prefix_host(&ns, &tokens))
+            .with_tier(py, view.long(), |c, _, _| {
+                view.with_tokens(|t| c.match_prefix_host(&ns, t))
+            })
+            .and_then(|r| r)
             .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, m.pages), PyRadixNode(m.node), m.len))
     }

@@ -8,7 +8,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use super::alloc::{hand_out, with_lock, Shared, DETACH_MIN};
-use super::array::{count, detachable, ints, Int};
+use super::array::{count, ints, Int};
 use super::error::to_py;
 use crate::alloc::{AllocError, PageAllocator};
 
@@ -54,7 +54,7 @@ impl PyStateSlotAllocator {
         with_lock(py, &self.inner, n >= DETACH_MIN, |a| a.alloc_i32(n))
     }
 
-    /// `free` / `inc_ref`: `f` on the slots of `slots`, copied first when the GIL is released.
+    /// `free` / `inc_ref`: `f` on a copy of the slots of `slots`.
     fn each(
         &self,
         py: Python<'_>,
@@ -62,10 +62,9 @@ impl PyStateSlotAllocator {
         f: impl FnOnce(&mut PageAllocator, &[i32]) -> Result<(), AllocError> + Send,
     ) -> PyResult<()> {
         let arr = ints(slots, "slots")?;
-        let s = arr.pages("slots")?;
-        let long = s.len() >= DETACH_MIN;
-        let s = detachable(s, long)?;
-        with_lock(py, &self.inner, long, |a| f(a, &s)).map_err(to_py)
+        let view = arr.view("slots")?;
+        // (copied, then checked and applied: with the GIL released when long)
+        with_lock(py, &self.inner, view.long(), |a| f(a, &view.pages_stable()?)).map_err(to_py)
     }
 }
 
