@@ -185,8 +185,9 @@ def test_write_replay_after_the_view_changed_checks_again():
     _fill(view, slots, 0, "triton")
     bad = copy.copy(view)  # (shares the records)
     bad.num_kv_heads = 1
+    k = _rand((slots.shape[0], 2, 32), 0)  # (what the recorded write took)
     with pytest.raises(ValueError, match="`k` has shape"):
-        _fill(bad, slots, 0, "triton")
+        write_kv(bad, slots, k, k, backend="triton")
 
 
 # ----------------------------------------------------------------------------- GPU
