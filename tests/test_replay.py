@@ -50,8 +50,7 @@ def _batch(lens, device="cpu"):
     slots = np.concatenate(
         [p[np.arange(n) // PS] * PS + np.arange(n) % PS for p, n in zip(pages, lens, strict=True)]
     )
-    to = (lambda a: torch.from_numpy(a).to(device))  # fmt: skip
-    return to(table), to(seq), to(slots.astype(np.int32))
+    return tuple(torch.from_numpy(a).to(device) for a in (table, seq, slots.astype(np.int32)))
 
 
 def _rand(shape, seed, device="cpu"):

@@ -24,8 +24,8 @@ and is then replayed with the arguments that change from call to call (a layer's
   profiler such as proton needs the metadata), it launches the normal way,
   ``fn[grid](*args, **kwargs)``, with the same substitutions.
 
-``FAST`` (module switch): False makes every record launch the normal way (tests compare both
-bit for bit, ``benches/step/bench_host.py`` times both).
+Module switches: ``FAST`` False makes every record launch the normal way (tests compare both
+bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` times all three).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from typing import Any
 
 #: Replay through the compiled kernel's launcher where possible (else the normal launch).
 FAST = True
+#: Record launches at all (False: every call checks and launches from scratch, as before
+#: records existed; ``benches/step/bench_host.py`` times the three ways).
+RECORD = True
 
 
 _RUNTIME: list[Any] = []  # triton.knobs.runtime, imported on first use

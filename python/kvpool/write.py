@@ -274,7 +274,7 @@ def _write_key(layer, loc, k, v, backend, block_t, num_warps) -> tuple | None:
     ``loc``, ``k``, ``v``: dtype, shape, strides, device, address modulo 16
     (:func:`kvpool._launch.tensor_key`); the options. None (not recorded) for other types.
     """
-    if type(loc) is not torch.Tensor or type(k) is not torch.Tensor:
+    if not _launch.RECORD or type(loc) is not torch.Tensor or type(k) is not torch.Tensor:
         return None
     if v is not None and type(v) is not torch.Tensor:
         return None

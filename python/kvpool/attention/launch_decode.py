@@ -121,7 +121,9 @@ def decode(
     key = None
     if plan is not None and page_table is None and seq_lens is None and not debug:
         # a planned call of a kind seen before: replay its launches (attention/replay.py)
-        key = replay.decode_key(view, q, plan, out, sinks, sm_scale, window, softcap, backend)
+        key = replay.decode_key(
+            view, q, plan, out, sinks, sm_scale, window, softcap, backend, _MERGE_PDL
+        )
         if key is not None and kv_lora_rank is None and view.v is not None:
             done = replay.replay_decode(view, key, q, plan, out, sinks, window)
             if done is not None:

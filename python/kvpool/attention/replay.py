@@ -28,9 +28,9 @@ from kvpool._launch import tensor_key
 from kvpool._torch import torch
 from kvpool.attention import variants
 from kvpool.attention.checks import _VIEW_FIELDS
+from kvpool.attention.plans import DecodePlan
 
 if TYPE_CHECKING:
-    from kvpool.attention.plans import DecodePlan
     from kvpool.pool import LayerView
 
 _VIEW = attrgetter(*_VIEW_FIELDS)
@@ -63,12 +63,14 @@ def _plan_key(plan: DecodePlan) -> tuple:
     return key
 
 
-def decode_key(view, q, plan, out, sinks, sm_scale, window, softcap, backend) -> tuple | None:
-    """The record key of a planned decode call, or None when the call is not recorded."""
-    from kvpool.attention import launch_decode
-    from kvpool.attention.plans import DecodePlan
+def decode_key(
+    view, q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl
+) -> tuple | None:
+    """The record key of a planned decode call, or None when the call is not recorded.
 
-    if type(plan) is not DecodePlan or type(q) is not torch.Tensor:
+    ``merge_pdl``: ``launch_decode._MERGE_PDL`` (the caller's module switch).
+    """
+    if not _launch.RECORD or type(plan) is not DecodePlan or type(q) is not torch.Tensor:
         return None
     if out is not None and type(out) is not torch.Tensor:
         return None
@@ -78,7 +80,7 @@ def decode_key(view, q, plan, out, sinks, sm_scale, window, softcap, backend) ->
         key = (
             _plan_key(plan), tensor_key(q), tensor_key(out), tensor_key(sinks),
             sm_scale, window, softcap, backend,
-            launch_decode._MERGE_PDL, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
+            merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
             id(variants._GLUON_FP8_OPTIONS),
         )  # fmt: skip
         hash(key)
