@@ -578,7 +578,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", help="torch device of the model and the pool")
     ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                     help="decode steps replayed from CUDA graphs per batch bucket, page table "
-                    "updated in place (default: on for a CUDA --device; on a CPU the same "
+                    "updated in place; on by default for a CUDA --device, on a CPU the same "
                     "steps run eagerly)")  # fmt: skip
     ap.add_argument("--graph-max-len", type=int, default=4096,
                     help="--cuda-graph: tokens per request the graphs' page table holds")
@@ -600,15 +600,22 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def cuda_graph_mode(args) -> bool:
+    """``--cuda-graph`` resolved: on by default for a CUDA ``--device``; asked for on a CPU, it
+    says (on stderr) that the graph engine's decode steps run eagerly there."""
+    cuda = args.device.startswith("cuda")
+    if args.cuda_graph is None:
+        return cuda
+    if args.cuda_graph and not cuda:
+        print(f"--cuda-graph: CUDA graphs need a CUDA device, not {args.device}; the graph "
+              "engine's decode steps run eagerly on the same buffers", file=sys.stderr)  # fmt: skip
+    return bool(args.cuda_graph)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.dtypes = args.dtypes.split(",")
-    cuda = args.device.startswith("cuda")
-    if args.cuda_graph is None:
-        args.cuda_graph = cuda
-    elif args.cuda_graph and not cuda:
-        print(f"--cuda-graph: CUDA graphs need a CUDA device, not {args.device}; the graph "
-              "engine's decode steps run eagerly on the same buffers", file=sys.stderr)  # fmt: skip
+    args.cuda_graph = cuda_graph_mode(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or default_model()
