@@ -215,7 +215,8 @@ def main() -> int:  # noqa: D103
             prompts, new = workload(model, n, vocab, tiny=args.tiny)
             graphs = [g == "on" for g in args.graph.split(",")]
             sections = [("kvpool", d, g) for d in args.dtypes.split(",") for g in graphs]
-            sections.append(("transformers", "bf16", None))
+            # the peer second, so that a budget cut leaves the main comparison
+            sections.insert(1, ("transformers", "bf16", None))
             for system, dtype, graph in sections:
                 base = {"system": system, "model": model, "dtype": dtype, "requests": n,
                         "new_tokens": new, "weights": "random bf16 (same for both systems)",
