@@ -16,6 +16,10 @@ head_dim 128, 32 query heads, page_size 16, every request ``--ctx`` tokens long)
   launch) and ``write_decode_unrecorded`` (``_launch.RECORD = False``: every call checked and
   launched from scratch, as before records);
 - ``step_metadata``: page_table + decode_slots + h2d + plan_decode, the per-step total.
+- ``running_step``: the same step's table and slots kept in place instead
+  (:class:`kvpool.running.RunningBatch`: ``grow`` (one row in 16 gains a page), ``slots``,
+  ``advance``), what ``examples/serve.py --cuda-graph`` does per step before its graph replay;
+  ``running_metadata``: running_step + h2d + plan_decode.
 
 Modes:
 
@@ -168,7 +172,34 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
             lambda: attention.plan_decode(view, hq, pt_np, seq, max_seq_len=ctx), it, rep, sync
         )
     r["step_metadata"] = r["page_table"] + r["decode_slots"] + r["h2d"] + r["plan_decode"]
+    r["running_step"] = _running_step(b, ps, it, rep, sync)
+    r["running_metadata"] = r["running_step"] + r["h2d"] + r["plan_decode"]
     return r
+
+
+def _running_step(b: int, ps: int, it: int, rep: int, sync) -> float:
+    """Per-step host us of a RunningBatch of ``b`` requests (see the module docstring)."""
+    from kvpool.running import RunningBatch
+
+    rb = RunningBatch(b, 4096 // ps, ps)
+    for i in range(b):  # lengths spread over a page, so that one row in ps gains a page a step
+        rb.add(np.arange(1 + 4 * i, 5 + 4 * i, dtype=np.int32), 3 * ps + i % ps + 1, 0)
+    nxt = [10_000]
+    ids = np.zeros(b, np.int64)
+
+    def alloc(k):
+        nxt[0] += k
+        return np.arange(nxt[0] - k, nxt[0], dtype=np.int32)
+
+    def step():
+        if rb.seq_lens[0] > rb.max_pages * ps - 2:  # (restart the lengths before the table ends)
+            rb.seq_lens[:b] = 3 * ps + np.arange(b) % ps + 1
+            rb.num_pages[:b] = 4
+        rb.grow(alloc)
+        rb.slots()
+        rb.advance(ids)
+
+    return _time(step, it, rep, sync)
 
 
 def main() -> None:  # noqa: D103
