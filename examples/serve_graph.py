@@ -24,8 +24,12 @@ import torch
 
 
 class gpu_timer:
-    """Adds a decode forward's GPU time to ``stats.decode_gpu_s`` (CUDA events, read at the
-    next one: no sync of its own; the step's sampling syncs anyway) and counts the step."""
+    """Adds a decode forward's GPU time to ``stats.decode_gpu_s`` and counts the step.
+
+    CUDA events around the forward, read at the next step (no sync of its own: the step's
+    sampling syncs anyway). Under CUDA graphs the window is the replay (and its input copies):
+    about the GPU's busy time. Eagerly it also holds the GPU's waits for the host's launches.
+    """
 
     def __init__(self, stats: Any, device: torch.device):
         self.stats, self.cuda = stats, device.type == "cuda"
@@ -42,6 +46,14 @@ class gpu_timer:
             prev, self.stats._pending = getattr(self.stats, "_pending", None), self.t
             if prev is not None:  # (the previous step's events completed at its sampling)
                 self.stats.decode_gpu_s += prev[0].elapsed_time(prev[1]) / 1e3
+
+    @staticmethod
+    def flush(stats: Any) -> None:
+        """Add the last step's GPU time (call after the loop, once the GPU is done)."""
+        prev, stats._pending = getattr(stats, "_pending", None), None
+        if prev is not None:
+            prev[1].synchronize()
+            stats.decode_gpu_s += prev[0].elapsed_time(prev[1]) / 1e3
 
 
 class GraphDecode:

@@ -76,10 +76,11 @@ def records(owner: Any) -> dict:
     """The records kept on ``owner`` (a layer view): a dict stored in its ``__dict__``.
 
     Kept on the object they replay the buffers of, so that they go when it goes (a record
-    holds the buffers' tensors). Bounded: cleared at 256 keys (batch sizes come and go).
+    holds the buffers' tensors). Bounded: cleared at 1,024 keys (an eager serving loop keeps
+    a decode and a write record per batch size it meets).
     """
     d = owner.__dict__.get("_launch_records")
-    if d is None or len(d) >= 256:
+    if d is None or len(d) >= 1024:
         d = owner.__dict__["_launch_records"] = {}
     return d
 
