@@ -23,6 +23,7 @@ finished, and ``log.txt``. Every section runs under a wall-clock budget (``--bud
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -263,6 +264,7 @@ def main() -> int:  # noqa: D103
                     records.append(dict(base, error=f"{type(e).__name__}: {e}"))
                     say(traceback.format_exc())
                 save()
+                gc.collect()  # (transformers' paged cache takes most free memory while it lives)
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
         except Exception as e:
