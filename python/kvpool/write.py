@@ -30,10 +30,12 @@ which absorb padded tokens.
 from __future__ import annotations
 
 import os
+from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
-from kvpool import formats
+from kvpool import _launch, formats
 from kvpool._host import as_device_tensor
+from kvpool._launch import tensor_key
 from kvpool._torch import torch
 
 if TYPE_CHECKING:
@@ -234,6 +236,11 @@ def write_kv(
         A shape, dtype or device that does not fit the layer; on the torch path (or with
         ``debug``) also out-of-range/repeated slots and non-finite values.
     """
+    key = None
+    if not debug:  # a write of a kind seen before: replay its launch (see _replay_write)
+        key = _write_key(layer, loc, k, v, backend, block_t, num_warps)
+        if key is not None and _replay_write(layer, key, loc, k, v):
+            return
     loc = as_device_tensor("loc", loc, layer.k.device, (torch.int32, torch.int64))
     t = _check_inputs(layer, loc, k, v)
     triton_path = _use_triton(backend, layer.k.device)
@@ -246,7 +253,52 @@ def write_kv(
         if v is not None:
             _write_torch(layer, loc, v, "v")
         return
-    _launch_write(layer, loc, k, v, block_t, num_warps)
+    fn, grid, args, kwargs, per_call = _write_call(layer, loc, k, v, block_t, num_warps)
+    if key is None:
+        fn[grid](*args, **kwargs)
+        return
+    launch = _launch.Launch(fn, grid, args, kwargs, per_call, layer.k.device)
+    launch(*per_call)
+    _launch.records(layer)[key] = (_WRITE_VIEW(layer), launch, MODES[layer.dtype] >= 3)
+
+
+# The layer fields a write reads (a record is valid while they are the same objects).
+_WRITE_VIEW = attrgetter("dtype", "page_size", "num_kv_heads", "head_dim", "v_head_dim", "k",
+                         "v", "k_block_scale", "v_block_scale", "k_block_scale_page_major",
+                         "v_block_scale_page_major", "k_scale", "v_scale")  # fmt: skip
+
+
+def _write_key(layer, loc, k, v, backend, block_t, num_warps) -> tuple | None:
+    """The record key of a write: everything its checks and the kernel's specialization read.
+
+    ``loc``, ``k``, ``v``: dtype, shape, strides, device, address modulo 16
+    (:func:`kvpool._launch.tensor_key`); the options. None (not recorded) for other types.
+    """
+    if not _launch.RECORD or type(loc) is not torch.Tensor or type(k) is not torch.Tensor:
+        return None
+    if v is not None and type(v) is not torch.Tensor:
+        return None
+    try:
+        key = ("write", tensor_key(loc), tensor_key(k), tensor_key(v), backend, block_t, num_warps)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _replay_write(layer, key, loc, k, v) -> bool:
+    """Launch the write recorded under ``key`` with these tensors; False if there is none.
+
+    A record is made by a write of the same key that passed every check (the Triton path
+    only: the torch path checks values on every call, so it is never recorded).
+    """
+    rec = layer.__dict__.get("_launch_records", {}).get(key)
+    if rec is None or not all(map(is_, rec[0], _WRITE_VIEW(layer))):
+        return False
+    if rec[2]:  # FP4: the kernel reads element pairs as words
+        k, v = _words(k), None if v is None else _words(v)
+    rec[1](loc, k, v if v is not None else k)
+    return True
 
 
 def _launch_write(
@@ -262,6 +314,34 @@ def _launch_write(
 
     ``ablate`` != 0 leaves stages out (benchmarks only, see ``quant_write._quant_fp4``).
     """
+    fn, grid, args, kwargs, _ = _write_call(layer, loc, k, v, block_t, num_warps, ablate)
+    fn[grid](*args, **kwargs)
+
+
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as words of element pairs: FP4 kernels load (2i, 2i+1) as one word.
+
+    int32 for 16-bit values, int64 for fp32; copied first when a pair would straddle its layout.
+    """
+    if x.stride(2) != 1 or x.stride(0) % 2 or x.stride(1) % 2:
+        x = x.contiguous()
+    return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+
+
+def _write_call(
+    layer: LayerView,
+    loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    block_t: int | None,
+    num_warps: int | None,
+    ablate: int = 0,
+) -> tuple:
+    """The fused write's launch: ``(kernel, grid, args, kwargs, per_call)``.
+
+    ``per_call``: the call's ``(loc, k, v)`` as the kernel takes them (FP4: as words; MLA: ``k``
+    twice), for :class:`kvpool._launch.Launch`.
+    """
     from kvpool.triton_kernels.quant_write import quant_write_kernel
 
     mode = MODES[layer.dtype]
@@ -271,15 +351,12 @@ def _launch_write(
 
     fp4 = mode >= 3
 
-    def words(x: torch.Tensor) -> torch.Tensor:
-        # FP4 kernels load element pairs (2i, 2i+1) as one word: int32 for 16-bit, int64 for fp32
-        if x.stride(2) != 1 or x.stride(0) % 2 or x.stride(1) % 2:
-            x = x.contiguous()
-        return x.view(torch.int64 if x.dtype == torch.float32 else torch.int32)
+    per_call = [loc]
 
     def args(which: str, x: torch.Tensor, d: int) -> list[object]:
         if fp4:
-            x = words(x)
+            x = _words(x)
+        per_call.append(x)
         data = _u8(getattr(layer, which))
         lin = getattr(layer, f"{which}_block_scale")
         pm = getattr(layer, f"{which}_block_scale_page_major")
@@ -302,6 +379,7 @@ def _launch_write(
     ka = args("k", k, layer.head_dim)
     if v is None:
         va, dv, kinds = ka, layer.head_dim, 1
+        per_call.append(per_call[1])
     else:
         va, dv, kinds = args("v", v, layer.v_head_dim), layer.v_head_dim, 2
     bck, bcv = _pow2(h * layer.head_dim), _pow2(h * dv)
@@ -316,12 +394,7 @@ def _launch_write(
     pm = layer.k_block_scale_page_major is not None
     kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
     grid = ((t + block_t - 1) // block_t, kinds)
-    quant_write_kernel[grid](
-        loc,
-        t,
-        rows,
-        *ka,
-        *va,
+    kwargs = dict(
         H=h,
         DK=layer.head_dim,
         DV=dv,
@@ -337,6 +410,7 @@ def _launch_write(
         ABLATE=ablate,
         num_warps=num_warps,
     )
+    return quant_write_kernel, grid, (loc, t, rows, *ka, *va), kwargs, tuple(per_call)
 
 
 def dequantize_kv(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool import _launch
 from kvpool._host import as_device_tensor
 from kvpool._torch import torch
-from kvpool.attention import variants
+from kvpool.attention import replay, variants
 from kvpool.attention._common import (
     _FP4,
     _KERNEL_FORMAT,
@@ -117,6 +118,16 @@ def decode(
         ``plan`` made for another batch or one whose kernel cannot run this layer (a Gluon plan
         on a bf16 or fp32 view, another head_dim, ...).
     """
+    key = None
+    if plan is not None and page_table is None and seq_lens is None and not debug:
+        # a planned call of a kind seen before: replay its launches (attention/replay.py)
+        key = replay.decode_key(
+            view, q, plan, out, sinks, sm_scale, window, softcap, backend, _MERGE_PDL
+        )
+        if key is not None and kv_lora_rank is None and view.v is not None:
+            done = replay.replay_decode(view, key, q, plan, out, sinks, window)
+            if done is not None:
+                return done
     # numpy batch metadata (what the Rust batch helpers return): to the device once
     page_table = as_device_tensor("page_table", page_table, view.k.device)
     seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
@@ -204,10 +215,16 @@ def decode(
     s = plan.num_splits
     gp = plan.group_pad
     dummy = out
+    calls: list = []  # (kernel, grid, args, kwargs) each, launched (and recorded) below
     if plan.gluon:
-        _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks)
+        _launch_gluon(
+            view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks, calls=calls
+        )
     else:
-        decode_kernel[(bsz, view.num_kv_heads, s)](
+        _launch.call(
+            calls,
+            decode_kernel,
+            (bsz, view.num_kv_heads, s),
             q,
             view.k,
             view.v,
@@ -260,7 +277,8 @@ def decode(
             **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
         )
     if s > 1 and plan.ablate != 4:  # ablate 4 (benchmarks only): leave the merge out
-        _merge(plan, out, sinks, vsc, has_scale, fp4_mul)
+        _merge(plan, out, sinks, vsc, has_scale, fp4_mul, calls=calls)
+    replay.record_decode(view, key, calls, q, plan, out, sinks, page_table, seq_lens)
     return out
 
 
@@ -270,8 +288,12 @@ def decode(
 _MERGE_PDL = True
 
 
-def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -> None:
+def _merge(
+    plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float, calls: list | None = None
+) -> None:
     """Launch ``decode.merge_kernel`` over the plan's split workspace into ``out [B, H_q, Dv]``.
+
+    With ``calls`` (a list) the launch is appended to it instead (:func:`kvpool._launch.call`).
 
     Grid ``(B, H_q, Dv / BLOCK_DV)`` with the tiles of :func:`_merge_tiles` (a small batch
     spreads over ``Dv / 32`` programs per (request, query head)). On compute capability 9.x and
@@ -287,7 +309,10 @@ def _merge(plan: DecodePlan, out, sinks, vsc, has_scale: bool, fp4_mul: float) -
     # compute capability 9.x / 10.x only: PDL launches failed under graph capture on SM120 in
     # a peer engine (sgl-project/sglang#18596), and nothing here was measured there
     pdl = _MERGE_PDL and not _interpreting() and _capability(out.device)[0] in (9, 10)
-    merge_kernel[(bsz, hq, dv // block_dv)](
+    _launch.call(
+        calls,
+        merge_kernel,
+        (bsz, hq, dv // block_dv),
         plan.part_out,
         plan.part_lse,
         sinks if sinks is not None else out,
@@ -325,8 +350,12 @@ def _merge_tiles(rows: int, splits: int, dv: int) -> tuple[int, int, int]:
     return sp, block_dv, max(1, min(4, sp * block_dv // 1024))
 
 
-def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks):
+def _launch_gluon(
+    view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks, calls=None
+):
     """Launch the fp8 or FP4 Gluon decode kernel (the caller merges the splits).
+
+    With ``calls`` (a list) the launch is appended to it instead (:func:`kvpool._launch.call`).
 
     fp8: ``decode_gluon.decode_kernel`` (options ``_GLUON_FP8_OPTIONS``); nvfp4 and
     fp4_mx_block16: ``decode_gluon_fp4.decode_kernel`` (``_GLUON_FP4_OPTIONS``). Both run the KV
@@ -391,7 +420,8 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         mx = view.dtype == "fp4_mx_block16"  # (exact bf16 values, no global scales)
         dec = (2, 2) if mx else variants._GLUON_FP4_DEC
         ksc, vsc = (kbs, vbs) if mx else (view.k_scale, view.v_scale)
-        decode_kernel[grid](
+        _launch.call(
+            calls, decode_kernel, grid,
             *head, kbs, vbs, ksc, vsc, *tail, kbs.stride(0), vbs.stride(0), *rest,
             DEC_K=dec[0], DEC_V=dec[1], PAGED=paged,
             STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
@@ -403,7 +433,8 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     paged, rescale, hf = variants._GLUON_FP8_OPTIONS[view.dtype]
     hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
-    decode_kernel[grid](
+    _launch.call(
+        calls, decode_kernel, grid,
         *head, view.k_scale, view.v_scale, *tail, *rest,
         PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
         E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,

@@ -1,0 +1,210 @@
+"""Recorded Triton launches: a kernel launch replayed without Triton's per-call JIT dispatch.
+
+``kernel[grid](*args, **kwargs)`` goes through ``JITFunction.run`` on every call: it binds the
+arguments to the kernel's signature, computes each argument's specialization (dtype, 16-byte
+alignment, integer divisibility), hashes them into a cache key, looks the compiled kernel up,
+checks the kernel's global values and builds launch metadata for the profiler hooks; only then
+does the compiled kernel's launcher (``CompiledKernel.run``) call the driver. For the decode
+kernels' ~50 arguments that dispatch costs tens of microseconds of host time per launch, several
+times the launcher's own cost (issue 22, ``benches/step``).
+
+A :class:`Launch` is made once for one set of everything that decides the specialization (the
+callers key their records on it: dtypes, shapes, strides, alignment, the kernel's constexprs)
+and is then replayed with the arguments that change from call to call (a layer's ``q`` and
+``out``, a step's page table) put in their places:
+
+- on CUDA it resolves the compiled kernel once (``JITFunction.warmup`` with the recorded
+  arguments: a cache hit after the first launch) and replays through the compiled kernel's
+  launcher with the recorded grid and the full bound argument list (constexprs included, as
+  ``JITFunction.run`` passes them in Triton 3.3 .. 3.9: ``kernel.run(grid_0, grid_1, grid_2,
+  stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook,
+  *bound_args)``);
+- where that is unavailable (the CPU interpreter, ``TRITON_INTERPRET=1``; an object that is not
+  a JIT function, such as a benchmark's stub), or while a Triton launch hook is installed (a
+  profiler such as proton needs the metadata), it launches the normal way,
+  ``fn[grid](*args, **kwargs)``, with the same substitutions.
+
+Module switches: ``FAST`` False makes every record launch the normal way (tests compare both
+bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` times all three).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+#: Replay through the compiled kernel's launcher where possible (else the normal launch).
+FAST = True
+#: Record launches at all (False: every call checks and launches from scratch, as before
+#: records existed; ``benches/step/bench_host.py`` times the three ways).
+RECORD = True
+
+
+_RUNTIME: list[Any] = []  # triton.knobs.runtime, imported on first use
+
+
+def _hooks_idle() -> bool:
+    """Whether no Triton launch hook is installed (a profiler needs the normal launch path).
+
+    Triton 3.3+ keeps the hooks as ``HookChain`` objects (idle: no ``calls``); a hook set as a
+    plain callable counts as installed.
+    """
+    if not _RUNTIME:
+        try:
+            from triton import knobs
+        except ImportError:  # (no knobs: Triton < 3.3, whose launcher takes other arguments)
+            return False
+        _RUNTIME.append(knobs.runtime)
+    rt = _RUNTIME[0]
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return False
+    return True
+
+
+def call(calls: list | None, fn: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``fn[grid](*args, **kwargs)`` now, or appended to ``calls`` (a list) to be recorded."""
+    if calls is None:
+        fn[grid](*args, **kwargs)
+    else:
+        calls.append((fn, grid, args, kwargs))
+
+
+def records(owner: Any) -> dict:
+    """The records kept on ``owner`` (a layer view): a dict stored in its ``__dict__``.
+
+    Kept on the object they replay the buffers of, so that they go when it goes (a record
+    holds the buffers' tensors). Bounded: cleared at 1,024 keys (an eager serving loop keeps
+    a decode and a write record per batch size it meets).
+    """
+    d = owner.__dict__.get("_launch_records")
+    if d is None or len(d) >= 1024:
+        d = owner.__dict__["_launch_records"] = {}
+    return d
+
+
+def tensor_key(t: Any) -> tuple | None:
+    """What a kernel is specialized on in a tensor argument, and what the checks read.
+
+    Dtype, shape, strides, device index (-1: CPU) and the address modulo 16; None for None.
+    """
+    if t is None:
+        return None
+    return (t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() & 15)
+
+
+class Launch:
+    """One kernel launch, replayed with its per-call arguments substituted.
+
+    Parameters
+    ----------
+    fn : triton JITFunction (or anything launched as ``fn[grid](*args, **kwargs)``)
+        The kernel.
+    grid : tuple of int
+        The launch grid (1 to 3 dims).
+    args : sequence
+        Positional arguments of the recorded call.
+    kwargs : mapping
+        Keyword arguments (constexprs and launch options such as ``num_warps``).
+    per_call : sequence of torch.Tensor or None
+        The arguments that change between calls, in the order :meth:`__call__` takes them.
+        Every position holding one of these objects (by identity) is replaced on each call;
+        None entries are placeholders with no position. The record keeps no reference to them.
+    device : torch.device
+        Where the kernel runs (its index picks the stream).
+
+    Notes
+    -----
+    The caller keys a record on everything the kernel is specialized on: a replay does no
+    check of its own, so arguments of another dtype, alignment or integer value (a stride, a
+    size) must never reach it (they get another record).
+    """
+
+    __slots__ = ("fn", "grid", "pos", "kw", "pos_slots", "full", "full_slots", "launcher",
+                 "function", "meta", "stream", "dev_index")  # fmt: skip
+
+    def __init__(
+        self,
+        fn: Any,
+        grid: tuple[int, ...],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        per_call: Sequence[Any],
+        device,
+    ):
+        self.fn, self.grid = fn, tuple(grid) + (1,) * (3 - len(grid))
+        self.pos, self.kw = list(args), dict(kwargs)
+        self.pos_slots = _slots(self.pos, per_call)
+        for idx in self.pos_slots:
+            for i in idx:
+                self.pos[i] = None
+        # a per-call object only in a keyword argument cannot be substituted
+        if any(x is not None and any(v is x for v in self.kw.values()) for x in per_call):
+            raise ValueError("a per-call argument passed by keyword cannot be replayed")
+        self.full = self.full_slots = self.launcher = self.function = self.meta = None
+        self.stream, self.dev_index = None, getattr(device, "index", None)
+        if getattr(device, "type", None) == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            try:
+                self._resolve(list(args), per_call)
+            except Exception:  # another Triton's internals: the normal launch still works
+                self.full = self.full_slots = self.launcher = None
+
+    def _resolve(self, args: list[Any], per_call: Sequence[Any]) -> None:
+        """Bind the call to the kernel's signature and find its compiled kernel (CUDA)."""
+        sig = getattr(self.fn, "signature", None)
+        warmup = getattr(self.fn, "warmup", None)
+        if not isinstance(sig, inspect.Signature) or warmup is None:
+            return
+        names = list(sig.parameters)
+        options = {k: v for k, v in self.kw.items() if k not in sig.parameters}
+        bound = sig.bind(*args, **{k: v for k, v in self.kw.items() if k in sig.parameters})
+        bound.apply_defaults()
+        full = [bound.arguments[n] for n in names]
+        kernel = warmup(*full, grid=self.grid, **options)
+        if hasattr(kernel, "result"):  # (an async compile's future)
+            kernel = kernel.result()
+        launcher = kernel.run  # (a property: loads the module, makes the launcher)
+        if kernel.function is None or not callable(launcher):
+            return
+        from triton.runtime import driver
+
+        self.full_slots = _slots(full, per_call)
+        for idx in self.full_slots:
+            for i in idx:
+                full[i] = None
+        self.full, self.launcher = full, launcher
+        self.function, self.meta = kernel.function, kernel.packed_metadata
+        self.stream = driver.active.get_current_stream
+        if self.dev_index is None:
+            self.dev_index = driver.active.get_current_device()
+
+    @property
+    def fast(self) -> bool:
+        """Whether a call replays through the compiled kernel's launcher."""
+        return self.launcher is not None and FAST and _hooks_idle()
+
+    def __call__(self, *per_call: Any) -> None:
+        """Launch with ``per_call`` (as many as given at recording) in their places."""
+        if self.launcher is not None and FAST and _hooks_idle():
+            a = self.full.copy()
+            for idx, x in zip(self.full_slots, per_call, strict=True):
+                for i in idx:
+                    a[i] = x
+            g = self.grid
+            self.launcher(g[0], g[1], g[2], self.stream(self.dev_index), self.function,
+                          self.meta, None, None, None, *a)  # fmt: skip
+            return
+        a = self.pos.copy()
+        for idx, x in zip(self.pos_slots, per_call, strict=True):
+            for i in idx:
+                a[i] = x
+        self.fn[self.grid](*a, **self.kw)
+
+
+def _slots(args: Sequence[Any], per_call: Sequence[Any]) -> list[tuple[int, ...]]:
+    """For each per-call object, the positions of ``args`` holding it (by identity)."""
+    return [
+        () if x is None else tuple(i for i, a in enumerate(args) if a is x) for x in per_call
+    ]
