@@ -21,12 +21,11 @@ import sys
 
 
 def dump(path: str) -> None:
+    import kvpool.triton_kernels.mla as m
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    import kvpool.triton_kernels.mla as m
 
     cfg = {  # dtype -> (KV element, FMT, CDT, HAS_SCALE, ASM)
         "bf16": ("bf16", 0, tl.bfloat16, False, 0),
