@@ -131,7 +131,10 @@ def markdown(recs, title: str) -> str:
 
 
 def write_md(path: str, text: str) -> None:
-    old = open(path).read() if os.path.exists(path) else ""
+    old = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            old = f.read()
     block = f"{BEGIN}\n{text}{END}\n"
     if BEGIN in old and END in old:
         new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) + 1 :]
