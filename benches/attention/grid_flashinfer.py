@@ -12,7 +12,8 @@ first use, one module per head_dim / KV dtype / variant, cached under ``~/.cache
   latent's two parts (``ckv [pages, page, 512]``, ``kpe [pages, page, 64]``), bf16 (and fp8
   where its plan accepts it), DeepSeek's softmax scale.
 
-Timing as kvpool's (CUDA graph replays, L2 flushed, median); where capture fails, eager
+A new JIT module is not started with less than twice its estimated compile time of the
+budget left. Timing as kvpool's (CUDA graph replays, L2 flushed, median); where capture fails, eager
 launches (``flashinfer_graph: false``). Records go to ``<out>/flashinfer.json``, one per (model,
 tp, layer, dtype, page, B, L): ``flashinfer_ms``, ``flashinfer_jit_s`` (first call: JIT and
 load), or ``flashinfer_error``. A module whose JIT failed is not retried at the other points;
@@ -33,7 +34,7 @@ _STATE: dict = {}
 
 def setup(bench, store_path: str) -> str | None:
     """Import flashinfer; None when it can run, else the reason (also stored)."""
-    _STATE.update(path=store_path, records=[], failed={})
+    _STATE.update(path=store_path, records=[], failed={}, compiled=set())
     if os.path.exists(store_path):
         with open(store_path) as f:
             _STATE["records"] = json.load(f)
@@ -93,11 +94,16 @@ def run(bench, lays, dtypes, shapes, args, t0) -> None:
                 rec = dict(model=lay.label, tp=lay.tp, layer=lay.layer, dtype=dtype, page=page,
                            B=b, L=n, flashinfer_version=_STATE.get("version"))  # fmt: skip
                 mod = bg.fi_module(lay, dtype)
+                left = args.budget_s - (time.time() - t0)
+                if mod not in _STATE["compiled"] and left < 2 * bg.EST_FI_JIT_S:
+                    bm.log(f"{left:.0f} s left: no new FlashInfer JIT started (run again)")
+                    return
                 if mod in _STATE["failed"]:
                     rec["flashinfer_error"] = "same module failed before: " + _STATE["failed"][mod]
                 else:
                     try:
                         rec.update(point(bench, view, lay, dtype, page, b, n))
+                        _STATE["compiled"].add(mod)
                     except Exception as e:  # noqa: BLE001  (JIT or launch failed: record it)
                         traceback.print_exc()
                         rec["flashinfer_error"] = repr(e)[:400]
