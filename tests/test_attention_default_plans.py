@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_attention import TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
+from attention_helpers import TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 interpret = pytest.mark.interpret

@@ -1,6 +1,6 @@
 """Decode and extend at every bundled model's per-rank geometry (head_dim 64, 128, 256; query
 groups 1..16; gemma-2's soft-capping and window, gpt-oss' sinks and window), every dtype, against
-the fp64 oracle of test_attention.py; the plan names the kernel; the bench's CPU smoke run.
+the fp64 oracle of attention_helpers.py; the plan names the kernel; the bench's CPU smoke run.
 """
 
 import os
@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attention_helpers import TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
 from kvpool import attention  # noqa: E402
-from test_attention import TOL, Cache, rel_err, run_decode, run_extend  # noqa: E402
 
 DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
 # (name, query heads, KV heads, head_dim, options) per rank, as in benches/attention/bench_models

@@ -2,7 +2,7 @@
 head_dim 64, 9 query heads over 3 KV heads (GQA group 3, not a power of two), page_size 1 and 16.
 
 Every KV dtype, decode and ragged extend (prefixes that end mid-page, an empty prefix, a request
-with no new tokens, seq_len 1), against the fp64 oracle of test_attention (dense dequantized K/V,
+with no new tokens, seq_len 1), against the fp64 oracle of attention_helpers (dense dequantized K/V,
 no paging code shared with the launchers). The interpreted tests keep the shapes tiny; the GPU
 tests run the same geometry at real lengths, every decode/extend path (default plans, no split,
 many splits, the word-level FP4/fp8 decode on and off), and check decode against one-token extends.
@@ -12,8 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool import attention  # noqa: E402
-from test_attention import (  # noqa: E402
+from attention_helpers import (  # noqa: E402
     DTYPES,
     TOL,
     WORDS,
@@ -22,6 +21,7 @@ from test_attention import (  # noqa: E402
     run_decode,
     run_extend,
 )
+from kvpool import attention  # noqa: E402
 
 HQ, HK, D = 9, 3, 64
 

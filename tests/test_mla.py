@@ -4,7 +4,7 @@
 Oracle: fp64 absorbed attention written here over *dense* latents (dequantized with
 kvpool.formats before they are scattered into pages): scores ``q . latent`` over the whole row,
 values the first ``kv_lora_rank`` entries, so it shares no paging or indexing code with the
-launchers. Tolerances as in test_attention.py (dots in fp16 or bf16, fp32 accumulation).
+launchers. Tolerances as in attention_helpers.py (dots in fp16 or bf16, fp32 accumulation).
 """
 
 import math
@@ -196,7 +196,7 @@ def test_plans_name_the_kernel():
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     pe = attention.plan_extend(c.view, 8, cu, c.page_table, c.seq_lens, kv_lora_rank=32)
     assert pe.kernel == "mla_triton" and pe.work.tolist() == [[0, 0], [1, 0]]
-    from test_attention import Cache
+    from attention_helpers import Cache
 
     gqa = Cache("fp8_e4m3", [40, 3], heads=2, d=32)  # an MLA plan on a GQA layer, and back
     with pytest.raises(ValueError, match="`plan` is a MLADecodePlan: layer 0 needs a DecodePlan"):

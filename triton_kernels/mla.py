@@ -55,6 +55,70 @@ def latent_tile(
 
 
 @triton.jit
+def mla_tile_step(
+    q_n,
+    q_r,
+    m_i,
+    l_i,
+    acc,
+    KV,
+    KBS,
+    pt_row,
+    s,
+    end,
+    pos,
+    stride_kr,
+    stride_kbr,
+    qk_scale,
+    page_shift,
+    page_mask,
+    DL: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    FMT: tl.constexpr,
+    CDT: tl.constexpr,
+    IS_F32: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One online-softmax step of every query row over the latent tokens ``s .. s + BLOCK_N -
+    1`` (those at or past ``end`` masked): returns the updated ``(m_i, l_i, acc)``.
+
+    Rows: ``q_n [R, DL]`` / ``q_r [R, DR]`` in CDT, ``m_i`` / ``l_i [R]`` and ``acc [R, DL]``
+    fp32 (``m_i`` and ``l_i`` in log2 units: ``qk_scale`` includes ``LOG2E``). ``pt_row``
+    points at the request's page-table row. ``CAUSAL``: row ``r`` also masks the tokens past
+    its position ``pos[r]`` (extend); else ``pos`` is unused (decode). ``page_mask`` =
+    ``(1 << page_shift) - 1``, computed once by the caller outside its loop."""
+    t = s + tl.arange(0, BLOCK_N)
+    tm = t < end
+    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+    slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+    kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
+    kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
+    if IS_F32:
+        qk = tl.dot(q_n, tl.trans(kn), input_precision="tf32x3")
+        qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="tf32x3")
+    else:
+        qk = tl.dot(q_n, tl.trans(kn))
+        qk = tl.dot(q_r, tl.trans(kr), acc=qk)
+    if CAUSAL:
+        keep = tm[None, :] & (t[None, :] <= pos[:, None])
+    else:
+        keep = tm[None, :]
+    qk = tl.where(keep, qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IS_F32:
+        acc = tl.dot(p, kn, acc=acc * alpha[:, None], input_precision="tf32x3")
+    else:
+        acc = tl.dot(p.to(CDT), kn, acc=acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def mla_decode_kernel(
     Q,
     KV,
@@ -121,29 +185,10 @@ def mla_decode_kernel(
     acc = tl.zeros([BLOCK_H, DL], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
     for s in range(start, end, BLOCK_N):
-        t = s + tl.arange(0, BLOCK_N)
-        tm = t < end
-        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-        kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
-        kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
-        if IS_F32:
-            qk = tl.dot(q_n, tl.trans(kn), input_precision="tf32x3")
-            qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="tf32x3")
-        else:
-            qk = tl.dot(q_n, tl.trans(kn))
-            qk = tl.dot(q_r, tl.trans(kr), acc=qk)
-        qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_F32:
-            acc = tl.dot(p, kn, acc=acc * alpha[:, None], input_precision="tf32x3")
-        else:
-            acc = tl.dot(p.to(CDT), kn, acc=acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = mla_tile_step(
+            q_n, q_r, m_i, l_i, acc, KV, KBS, pt_row, s, end, end, stride_kr, stride_kbr,
+            qk_scale, page_shift, page_mask, DL, DR, BLOCK_N, False, FMT, CDT, IS_F32, ASM,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if FINAL:
@@ -240,30 +285,10 @@ def mla_extend_kernel(
     pt_row = PT + b.to(tl.int64) * stride_pt
     end = tl.minimum(seq, seq - q_len + t0 + BLOCK_T)  # the block's last position + 1
     for s in range(0, end, BLOCK_N):
-        t = s + tl.arange(0, BLOCK_N)
-        tm = t < end
-        page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-        slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
-        kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
-        kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
-        if IS_F32:
-            qk = tl.dot(q_n, tl.trans(kn), input_precision="tf32x3")
-            qk = tl.dot(q_r, tl.trans(kr), acc=qk, input_precision="tf32x3")
-        else:
-            qk = tl.dot(q_n, tl.trans(kn))
-            qk = tl.dot(q_r, tl.trans(kr), acc=qk)
-        keep = tm[None, :] & (t[None, :] <= pos[:, None])
-        qk = tl.where(keep, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_F32:
-            acc = tl.dot(p, kn, acc=acc * alpha[:, None], input_precision="tf32x3")
-        else:
-            acc = tl.dot(p.to(CDT), kn, acc=acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = mla_tile_step(
+            q_n, q_r, m_i, l_i, acc, KV, KBS, pt_row, s, end, pos, stride_kr, stride_kbr,
+            qk_scale, page_shift, page_mask, DL, DR, BLOCK_N, True, FMT, CDT, IS_F32, ASM,
+        )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc * (kf / l_safe)[:, None]

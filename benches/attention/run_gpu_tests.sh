@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/python:$PWD/benches/attention PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/attn-out}
 NPROC=${NPROC:-4}
-FILES=${FILES:-tests/test_attention.py tests/test_attention_smollm.py}
+FILES=${FILES:-tests/test_attention.py tests/test_attention_decode.py tests/test_attention_extend.py tests/test_attention_plans.py tests/test_attention_checks.py tests/test_attention_smollm.py}
 mkdir -p "$OUT"
 python3 -m pytest -q --collect-only -m gpu $FILES ${TESTS:+-k "$TESTS"} -p no:cacheprovider \
   2>/dev/null | grep "::" > "$OUT/test_ids.txt"

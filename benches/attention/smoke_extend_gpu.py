@@ -12,7 +12,7 @@ import sys
 import time
 
 import torch
-from test_attention import TOL, Cache, rel_err, run_extend
+from attention_helpers import TOL, Cache, rel_err, run_extend
 
 dtype = sys.argv[1]
 t0 = time.time()
