@@ -130,12 +130,26 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     """
     b, dev = page_table.shape[0], view.k.device
     stages, per_sm, maxnreg = _GLUON_CONFIG[view.dtype]
+    group = num_q_heads // view.num_kv_heads
+    base = variants._gluon_base(view, group)
+    if not base:
+        # other head_dims and groups of 9..16 (their own registers; FP4 at head_dim 64 by
+        # register prefetch, elsewhere two 16-token tiles a ring stage)
+        per_sm = variants._gluon_programs_per_sm(view, group)
+        if view.dtype in _FP4 and view.head_dim == 64:
+            stages = 0
     given = num_splits
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
     block_n = 16
-    if view.dtype in _FP4 and variants._GLUON_FP4_OPTIONS[3] == 2:
+    if not base:
+        block_n = 32 if view.dtype in _FP4 and stages > 0 else 16
+        if block_n == 32 and given is None:
+            num_splits = default_splits(
+                b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
+            )
+    elif view.dtype in _FP4 and variants._GLUON_FP4_OPTIONS[3] == 2:
         # two 16-token tiles per ring stage (nvfp4 140 registers: 14 programs per SM instead of
         # 16), except where only one tile a stage keeps the grid in one wave (run 9, call 4:
         # 256 splits at B=1/32k, 2,048 programs, 31.6 us vs 35.3; two tiles faster at every
@@ -168,7 +182,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
-        kernel="gluon_fp4" if view.dtype in _FP4 else "gluon_fp8",
+        kernel=variants._gluon_kernel_name(view, group),
     )
 
 
