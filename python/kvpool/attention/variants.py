@@ -68,12 +68,16 @@ def _gluon_kernel_name(view: LayerView, group: int) -> str:
 
 def _gluon_programs_per_sm(view: LayerView, group: int) -> int:
     """Programs per multiprocessor in the split model of a Gluon plan: ``_GLUON_CONFIG``'s at
-    the measured geometry; elsewhere what the registers allow (65,536 per SM, sm_90 Triton 3.6
-    builds: head_dim 64 85-127 registers, capped at 16 as run 7's fp8 model; head_dim 128 with
-    16-wide dots 168-202: 10; head_dim 256 207-236: 8)."""
+    the measured geometry; elsewhere what the registers of the slowest-fitting dtype allow
+    (65,536 per SM, 8-register steps; sm_90 Triton 3.6 builds, ``tests/test_gluon_compile.py``):
+    head_dim 64 85-127 registers, capped at 16 as run 7's fp8 model; head_dim 128 with 16-wide
+    dots 168-202: 9; head_dim 256 207-236: 8. Not measured on a GPU yet."""
     if _gluon_base(view, group):
         return _GLUON_CONFIG[view.dtype][1]
-    return {64: 16, 128: 10, 256: 8}[view.head_dim]
+    return _GLUON_PER_SM[view.head_dim]
+
+
+_GLUON_PER_SM = {64: 16, 128: 9, 256: 8}
 
 
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
