@@ -85,7 +85,8 @@ def test_wide_switch(monkeypatch):
     """``KVPOOL_GLUON_WIDE=0``: only head_dim 128 with a group of <= 8 keeps the Gluon kernel."""
     monkeypatch.setenv(variants.GLUON_WIDE_ENV, "0")
     v = Cache("fp8_e4m3", [40, 3], heads=2, d=256, page=16).view
-    assert attention._gluon_unfit(v, 6) == "head_dim 256 with a group of 6 while KVPOOL_GLUON_WIDE=0"
+    why = attention._gluon_unfit(v, 6)
+    assert why == "head_dim 256 with a group of 6 while KVPOOL_GLUON_WIDE=0"
     v = Cache("nvfp4", [40, 3], heads=2, d=128, page=16).view
     assert "KVPOOL_GLUON_WIDE=0" in attention._gluon_unfit(v, 16)
     assert attention._gluon_unfit(v, 8).startswith("a CPU tensor")
@@ -137,7 +138,7 @@ def test_head_dim_128_plans_unchanged(as_if_on_gpu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, hq, hk, d, opts", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
 @pytest.mark.parametrize("dtype", GLUON_DTYPES)
-@pytest.mark.parametrize("page", [16, 1])
+@pytest.mark.parametrize("page", [16, 1], ids=["page16", "page1"])
 def test_gluon_geometry_gpu(name, hq, hk, d, opts, dtype, page):
     """The Gluon kernel (``gluon=True``) at each geometry against the fp64 oracle, ragged
     lengths ending mid-tile and mid-page, one split (direct output) and several; and as close

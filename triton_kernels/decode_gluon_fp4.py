@@ -188,7 +188,8 @@ def _v_block_asm(dec: int, words: int = 2) -> str:
             + ("prmt.b32 sc, sd, x, 0x5410; prmt.b32 sc2, t, y, 0x5410; mov.b32 nz, 0x80008000; ")
         )
     else:
-        head += f"prmt.b32 sd, {se}, {so}, 0x0040; mov.b32 {{sl, sh}}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
+        head += f"prmt.b32 sd, {se}, {so}, 0x0040; mov.b32 {{sl, sh}}, sd; "
+        head += "cvt.rn.f16x2.e4m3x2 sc, sl; "
     body = ""
     for j, (we, wo) in enumerate((("e0", "o0"), ("e1", "o1"))[:words]):
         if dec in (0, 2):
@@ -910,7 +911,9 @@ def decode_kernel(
                     vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
                     acc = acc + _checksum(kx, ks, vx, vs)
             else:
-                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH)
+                sa = _scores(
+                    q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH
+                )
                 if SUB == 2:
                     kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
                     sb = _scores(
@@ -964,7 +967,9 @@ def decode_kernel(
             if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
                 acc = acc + _checksum(kx, ks, vx, vs)
             else:
-                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH)
+                sa = _scores(
+                    q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH
+                )
                 m_new = gl.maximum(m_i, gl.max(sa, axis=1))
                 m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
                 pa = _exp2(sa - m_i[:, None])

@@ -51,15 +51,19 @@ GLUON_WIDE_ENV = "KVPOOL_GLUON_WIDE"
 
 
 def _gluon_base(view: LayerView, group: int) -> bool:
-    """Whether ``view`` is the Gluon kernels' measured geometry (head_dim 128, group <= 8),
-    whose tuned parameters (``_GLUON_CONFIG``) stay as they are."""
+    """Whether ``view`` is the Gluon kernels' measured geometry (head_dim 128, group <= 8).
+
+    Its tuned parameters (``_GLUON_CONFIG``) stay as they are.
+    """
     return view.head_dim == 128 and group <= 8
 
 
 def _gluon_kernel_name(view: LayerView, group: int) -> str:
-    """``plan.kernel`` of a Gluon plan: ``gluon_fp8`` / ``gluon_fp4`` at head_dim 128 with a
-    group of <= 8, else with ``_hd64`` / ``_hd256`` and ``_g16`` (groups of 9..16: 16-wide PV
-    dots) appended."""
+    """``plan.kernel`` of a Gluon plan.
+
+    ``gluon_fp8`` / ``gluon_fp4`` at head_dim 128 with a group of <= 8, else with ``_hd64`` /
+    ``_hd256`` and ``_g16`` (groups of 9..16: 16-wide PV dots) appended.
+    """
     name = "gluon_fp4" if view.dtype in _FP4 else "gluon_fp8"
     if view.head_dim != 128:
         name += f"_hd{view.head_dim}"
@@ -67,11 +71,14 @@ def _gluon_kernel_name(view: LayerView, group: int) -> str:
 
 
 def _gluon_programs_per_sm(view: LayerView, group: int) -> int:
-    """Programs per multiprocessor in the split model of a Gluon plan: ``_GLUON_CONFIG``'s at
-    the measured geometry; elsewhere what the registers of the slowest-fitting dtype allow
-    (65,536 per SM, 8-register steps; sm_90 Triton 3.6 builds, ``tests/test_gluon_compile.py``):
-    head_dim 64 85-127 registers, capped at 16 as run 7's fp8 model; head_dim 128 with 16-wide
-    dots 168-202: 9; head_dim 256 207-236: 8. Not measured on a GPU yet."""
+    """Programs per multiprocessor in the split model of a Gluon plan.
+
+    ``_GLUON_CONFIG``'s at the measured geometry; elsewhere what the registers of the
+    slowest-fitting dtype allow (65,536 per SM, 8-register steps; sm_90 Triton 3.6 builds,
+    ``tests/test_gluon_compile.py``): head_dim 64 85-127 registers, capped at 16 as run 7's fp8
+    model; head_dim 128 with 16-wide dots 168-202: 9; head_dim 256 207-236: 8. Not measured
+    on a GPU yet.
+    """
     if _gluon_base(view, group):
         return _GLUON_CONFIG[view.dtype][1]
     return _GLUON_PER_SM[view.head_dim]
