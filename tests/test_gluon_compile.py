@@ -91,12 +91,13 @@ def launch_consts(dtype: str, d: int, g: int, options: bool, page: int) -> tuple
         G=g, D=d, FINAL=options, HAS_SOFTCAP=options, HAS_WINDOW=options, HAS_SINKS=options
     )
     paged = page >= 16
-    if dtype in ("fp8_e4m3", "fp8_e5m2"):
+    if dtype in ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16"):
         pg, rescale, hf = variants._GLUON_FP8_OPTIONS[dtype]
-        stages = variants._GLUON_CONFIG[dtype][0]
+        stages = variants._gluon_config(dtype)[0]
         return "decode_gluon", dict(
             common, PREFETCH=False, E5M2=dtype == "fp8_e5m2", STAGES=stages,
             PAGED=pg and paged, RESCALE=rescale, HEAD_FAST=hf,
+            WIDE={"fp16": 1, "bf16": 2}.get(dtype, 0),
         )  # fmt: skip
     hf, ablate, tma, _ = variants._GLUON_FP4_OPTIONS
     dec = (2, 2) if dtype == "fp4_mx_block16" else variants._GLUON_FP4_DEC
@@ -109,9 +110,12 @@ def launch_consts(dtype: str, d: int, g: int, options: bool, page: int) -> tuple
 
 
 def _cases():
-    for d, gmax in variants._GLUON_GROUPS.items():
-        for g in sorted({1, 8, gmax} if d == 128 else {8, gmax}):
-            yield d, g
+    for dtype in [*variants._GLUON_CONFIG, *variants._GLUON_16BIT]:
+        for d, gmax in variants._GLUON_GROUPS.items():
+            if dtype in variants._GLUON_16BIT and d != 64:
+                continue
+            for g in sorted({1, 8, gmax} if d == 128 else {8, gmax}):
+                yield dtype, d, g
 
 
 class _View:  # what _gluon_programs_per_sm reads
@@ -119,10 +123,9 @@ class _View:  # what _gluon_programs_per_sm reads
         self.dtype, self.head_dim = dtype, d
 
 
-@pytest.mark.parametrize("d, g", list(_cases()), ids=lambda x: str(x))
-@pytest.mark.parametrize("dtype", list(variants._GLUON_CONFIG))
+@pytest.mark.parametrize("dtype, d, g", list(_cases()), ids=lambda x: str(x))
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "sinks-window-softcap"])
-def test_compiles_within_resources(d, g, dtype, options):
+def test_compiles_within_resources(dtype, d, g, options):
     for page in (16, 1):
         if page == 1 and d == 256 and dtype in ("nvfp4", "fp4_mx_block16"):
             continue  # (refused by _gluon_unfit: the ring needs pages of >= 16)

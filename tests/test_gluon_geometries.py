@@ -16,6 +16,7 @@ from kvpool.attention import variants  # noqa: E402
 from test_attention import TOL, Cache, rel_err, run_decode  # noqa: E402
 
 GLUON_DTYPES = ("fp8_e4m3", "fp8_e5m2", "nvfp4", "fp4_mx_block16")
+WIDE_DTYPES = ("bf16", "fp16")  # (the Gluon kernel at head_dim 64 only)
 # (name, query heads, KV heads, head_dim, options) per rank (benches/attention/bench_models.py)
 GEOMETRIES = [
     ("qwen3.5-27b", 24, 4, 256, {}),
@@ -93,7 +94,7 @@ def test_wide_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("name, hq, hk, d, opts", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
-@pytest.mark.parametrize("dtype", GLUON_DTYPES)
+@pytest.mark.parametrize("dtype", GLUON_DTYPES + WIDE_DTYPES)
 def test_plan_names_the_variant(name, hq, hk, d, opts, dtype, as_if_on_gpu):
     """At B=64 x 8k the default plan takes the Gluon kernel and names the variant; FP4 runs
     head_dim 64 by register prefetch (16-token tiles), elsewhere two tiles a ring stage;
@@ -104,8 +105,12 @@ def test_plan_names_the_variant(name, hq, hk, d, opts, dtype, as_if_on_gpu):
     sl = torch.full((64,), 8192, dtype=torch.int32)
     p = attention.plan_decode(c.view, hq, pt, sl)
     g = hq // hk
+    if dtype in WIDE_DTYPES and d != 64:
+        assert not p.gluon and p.kernel == "triton_generic"
+        return
     fp4 = dtype in ("nvfp4", "fp4_mx_block16")
-    want = ("gluon_fp4" if fp4 else "gluon_fp8") + ("" if d == 128 else f"_hd{d}")
+    kind = dtype if dtype in WIDE_DTYPES else ("fp4" if fp4 else "fp8")
+    want = f"gluon_{kind}" + ("" if d == 128 else f"_hd{d}")
     assert p.gluon and p.kernel == want + ("_g16" if g > 8 else ""), p.kernel
     assert p.num_warps == 1 and p.group_pad == 16
     if fp4 and d == 64:
@@ -137,7 +142,7 @@ def test_head_dim_128_plans_unchanged(as_if_on_gpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, hq, hk, d, opts", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
-@pytest.mark.parametrize("dtype", GLUON_DTYPES)
+@pytest.mark.parametrize("dtype", GLUON_DTYPES + WIDE_DTYPES)
 @pytest.mark.parametrize("page", [16, 1], ids=["page16", "page1"])
 def test_gluon_geometry_gpu(name, hq, hk, d, opts, dtype, page):
     """The Gluon kernel (``gluon=True``) at each geometry against the fp64 oracle, ragged
@@ -145,6 +150,8 @@ def test_gluon_geometry_gpu(name, hq, hk, d, opts, dtype, page):
     to it as the Triton kernel. FP4 at head_dim 256 needs pages of >= 16 (skipped at 1)."""
     if page == 1 and d == 256 and dtype in ("nvfp4", "fp4_mx_block16"):
         pytest.skip("FP4 at head_dim 256: ring only (pages >= 16)")
+    if dtype in WIDE_DTYPES and d != 64:
+        pytest.skip("16-bit caches: the Gluon kernel at head_dim 64 only")
     lens = [1, 5, 16, 17, 100, 1000, 4093, 64]
     c = Cache(dtype, lens, heads=hk, d=d, page=page, device="cuda", heavy=True)
     o = _opts(opts, hq)
@@ -162,13 +169,28 @@ def test_gluon_geometry_gpu(name, hq, hk, d, opts, dtype, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GLUON_DTYPES)
+@pytest.mark.parametrize("dtype", GLUON_DTYPES + WIDE_DTYPES)
 def test_gluon_geometry_gpu_default_plan(dtype):
     """``decode`` without a plan at gpt-oss and Qwen3.5-27B geometry, 64 requests of 2k: the
     default plan is the Gluon one, and its answer the oracle's."""
     for hq, hk, d, opts in ((64, 8, 64, {"sinks": True}), (24, 4, 256, {})):
+        if dtype in WIDE_DTYPES and d != 64:
+            continue
         c = Cache(dtype, [2048] * 63 + [77], heads=hk, d=d, page=16, device="cuda")
         plan = attention.plan_decode(c.view, hq, c.page_table, c.seq_lens)
         assert plan.gluon, plan.kernel
         out, ref = run_decode(c, hq, backend="triton", device="cuda", **_opts(opts, hq))
         assert rel_err(out, ref) < TOL[dtype], plan.kernel
+
+
+@pytest.mark.parametrize("dtype", WIDE_DTYPES)
+def test_unfit_16bit(dtype):
+    """bf16 and fp16 caches take the Gluon kernel at head_dim 64 (groups up to 16) only."""
+    v = Cache(dtype, [40, 3], heads=2, d=64, page=16).view
+    assert attention._gluon_unfit(v, 16).startswith("a CPU tensor")
+    for d in (128, 256):
+        v = Cache(dtype, [40, 3], heads=2, d=d, page=16).view
+        assert attention._gluon_unfit(v, 4) == (
+            f"{dtype} caches at head_dim {d} / v_head_dim {d} (64 only; fp8_e4m3, fp8_e5m2, "
+            "nvfp4, fp4_mx_block16 at 64, 128 and 256)"
+        )

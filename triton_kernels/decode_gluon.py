@@ -129,50 +129,97 @@ def _geometry_ok(d, g):
 
 
 @triton.constexpr_function
-def _k_words_layout(d):
-    """K words ``[16 tokens, d / 4]`` of head_dim ``d``: lane ``4g + t`` holds rows g, g+8 and
-    words ``(d / 16) t .. (d / 16) t + d / 16 - 1`` (``d / 4`` contiguous bytes of a token)."""
+def _k_words_layout(n):
+    """K words ``[16 tokens, n]`` (``n`` words a head's row: head_dim / 4 for fp8, / 2 for
+    16-bit caches): lane ``4g + t`` holds rows g, g+8 and words ``(n / 4) t`` on (a quarter of
+    the token's row, contiguous)."""
     return gl.BlockedLayout(
-        size_per_thread=[1, d // 16], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+        size_per_thread=[1, n // 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
     )
 
 
 @triton.constexpr_function
-def _v_words_layout(d):
-    """V words ``[16 tokens, d / 4]`` of head_dim ``d``: ``w = d / 32`` contiguous words per
-    register group (128-bit loads at d >= 128), then the odd token of the pair, then the token 8
-    rows down; lane ``4g + t`` -> tokens ``2t``, words ``w g``."""
-    w = d // 32
+def _v_words_layout(n):
+    """V words ``[16 tokens, n]`` (``n`` words a row, as :func:`_k_words_layout`): ``w = n / 8``
+    contiguous words per register group (128-bit loads from 4 on), then the odd token of the
+    pair, then the token 8 rows down; lane ``4g + t`` -> tokens ``2t``, words ``w g``."""
+    w = n // 8
     regs = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[1, 0], [8, 0]]
     return gl.DistributedLinearLayout(
         reg_bases=regs,
         lane_bases=[[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]],
         warp_bases=[],
         block_bases=[],
-        shape=[16, d // 4],
+        shape=[16, n],
     )
 
 
 @triton.constexpr_function
-def _ring_layout(d):
-    """Shared layout of a ring stage's ``[16, d / 4]`` words (head_dim 128: 128-byte rows, 8
-    phases; 64: two rows a 128-byte line, TMA's 64-byte pattern)."""
-    if d == 64:
+def _operand_dtype(wide):
+    """The MMA operands' type: fp16 (fp8 and fp16 caches), bf16 (``wide`` 2: bf16 caches)."""
+    return gl.bfloat16 if wide == 2 else gl.float16
+
+
+@triton.constexpr_function
+def _ring_layout(n):
+    """Shared layout of a ring stage's ``[16, n]`` words (rows of >= 128 bytes: 8 phases; 64
+    bytes: two rows a 128-byte line, TMA's 64-byte pattern)."""
+    if n == 16:
         return gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
     return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
 
 
 @gluon.jit
-def _k_operand(w, BOP: gl.constexpr, E5M2: gl.constexpr, D: gl.constexpr = 128):
+def _halves(w, WIDE: gl.constexpr):
+    """Words of two 16-bit values -> (low, high) as fp16 (``WIDE`` 1) or bf16 (2; register
+    moves)."""
+    return gl.inline_asm_elementwise(
+        asm="mov.b32 {$0, $1}, $2;",
+        constraints="=h,=h,r",
+        args=[w],
+        dtype=(gl.bfloat16 if WIDE == 2 else gl.float16,) * 2,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _k_operand(
+    w, BOP: gl.constexpr, E5M2: gl.constexpr, D: gl.constexpr = 128, WIDE: gl.constexpr = 0
+):
     """Raw K words ``[16 tokens, D / 4]`` (lane ``4g + t``: rows g, g+8; words ``(D / 16) t``
     on) -> K^T ``[D, 16]`` fp16 as the B operand of the QK MMA (logical head dims, see the
-    module)."""
-    o0, o1, o2, o3 = _k_words_f16(w, E5M2)
-    x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [16, D / 4, 2, 2]: d = 4 word + 2j + k
-    x = gl.reshape(x, [16, 4, D // 16, 2, 2])  # (tok, t, s, h, e)
+    module). ``WIDE`` (16-bit caches, 1 fp16, 2 bf16): words ``[16, D / 2]``, each one
+    register of the operand as it is."""
+    if WIDE:
+        o0, o1 = _halves(w, WIDE)
+        x = gl.join(o0, o1)  # [16, D / 2, 2]: d = 2 word + e
+        x = gl.reshape(x, [16, 4, D // 16, 2, 2])  # (tok, t, s, h, e)
+    else:
+        o0, o1, o2, o3 = _k_words_f16(w, E5M2)
+        x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [16, D / 4, 2, 2]: d = 4 word + 2j + k
+        x = gl.reshape(x, [16, 4, D // 16, 2, 2])  # (tok, t, s, h, e)
     x = gl.permute(x, [0, 2, 3, 1, 4])  # (tok, s, h, t, e)
     x = gl.reshape(x, [16, D])
     return gl.convert_layout(gl.permute(x, [1, 0]), BOP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand_wide(w, AOP: gl.constexpr, D: gl.constexpr, WIDE: gl.constexpr):
+    """16-bit caches: V words ``[16 tokens, D / 2]`` (lane ``4g + t``: rows 2t, 2t+1, 2t+8,
+    2t+9; words ``(D / 16) g`` on) -> V^T ``[D, 16]`` as the A operand of the PV MMA: logical
+    row ``16m + 8r + g`` is element ``r`` of word ``(D / 16) g + m`` (stored
+    ``(D / 8) g + 2m + r``), the two tokens of a register from two rows' words."""
+    x = gl.reshape(w, [2, 4, 2, D // 2])  # (hh, t, e, word)
+    x = gl.permute(x, [0, 1, 3, 2])  # (hh, t, word, e)
+    we, wo = gl.split(x)
+    e0, e1 = _halves(we, WIDE)
+    o0, o1 = _halves(wo, WIDE)
+    y = gl.join(gl.join(e0, e1), gl.join(o0, o1))  # (hh, t, word, r, e)
+    y = gl.reshape(y, [2, 4, 8, D // 16, 2, 2])  # (hh, t, g, m, r, e)
+    y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
+    y = gl.reshape(y, [D, 16])
+    return gl.convert_layout(y, AOP, assert_trivial=True)
 
 
 @gluon.jit
@@ -422,6 +469,7 @@ def decode_kernel(
     RESCALE: gl.constexpr = -1.0,
     HEAD_FAST: gl.constexpr = False,
     D: gl.constexpr = 128,
+    WIDE: gl.constexpr = 0,
 ):
     BN: gl.constexpr = 16
     # head_dim D (64, 128, 256); the PV dot's N side: 8 heads, or 16 for groups of 9..16
@@ -430,12 +478,18 @@ def decode_kernel(
     # (the planner gives every Gluon plan a ring or register prefetch)
     gl.static_assert(STAGES > 0 or PREFETCH, "STAGES > 0 or PREFETCH")
     # (MMA, QOP, KOP, VOP, POP: the module's shared mma.sync layouts)
-    KL: gl.constexpr = _k_words_layout(D)
-    VL: gl.constexpr = _v_words_layout(D)
+    # 16-bit caches (WIDE 1 fp16, 2 bf16): operands as stored, rows of D / 2 words, no scales
+    CDT: gl.constexpr = _operand_dtype(WIDE)
+    NW: gl.constexpr = D // 2 if WIDE else D // 4  # 32-bit words of a head's row
+    KL: gl.constexpr = _k_words_layout(NW)
+    VL: gl.constexpr = _v_words_layout(NW)
 
     page_mask = (1 << page_shift) - 1
     b, hk, split, lo, start, end = _program(SEQ, window, num_splits, HEAD_FAST, HAS_WINDOW, BN)
-    qk_scale = sm_scale * gl.load(KSC)
+    if WIDE:
+        qk_scale = sm_scale
+    else:
+        qk_scale = sm_scale * gl.load(KSC)
 
     # q (A operand, logical head dims): rows >= G are zero; bounded by the runtime ``group``
     # (= G), which the compiler cannot fold: with the constant, ptxas re-creates q's zero
@@ -447,18 +501,19 @@ def decode_kernel(
         Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
         mask=(qr < group)[:, None],
         other=0.0,
-    ).to(gl.float16)
+    ).to(CDT)
 
     kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
-    kc = gl.arange(0, D // 4, layout=gl.SliceLayout(0, KL))
+    kc = gl.arange(0, NW, layout=gl.SliceLayout(0, KL))
     vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
-    vc = gl.arange(0, D // 4, layout=gl.SliceLayout(0, VL))
+    vc = gl.arange(0, NW, layout=gl.SliceLayout(0, VL))
     sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
-    vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
+    kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * NW
+    vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * NW
     pt_row = PT + b.to(gl.int64) * stride_pt
-    srk = stride_kr // 4
-    srv = stride_vr // 4
+    # (row strides in elements of the cache: bytes, or 16-bit values)
+    srk = stride_kr // (2 if WIDE else 4)
+    srv = stride_vr // (2 if WIDE else 4)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
@@ -467,9 +522,9 @@ def decode_kernel(
     if STAGES > 0:
         # ring of STAGES tiles in shared memory filled by cp.async; the page ids of the tile
         # issued next are loaded one iteration earlier (registers), so no issue waits on them
-        SW: gl.constexpr = _ring_layout(D)
-        ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, D // 4], SW)
-        vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, D // 4], SW)
+        SW: gl.constexpr = _ring_layout(NW)
+        ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, NW], SW)
+        vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, NW], SW)
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
             k0, rk, v0, rv = _kv_rows(
@@ -523,7 +578,7 @@ def decode_kernel(
             kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
             vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
 
-        kt = _k_operand(kw, KOP, E5M2, D)
+        kt = _k_operand(kw, KOP, E5M2, D, WIDE)
         sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
         sacc = _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP, HAS_WINDOW)
         m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
@@ -546,11 +601,15 @@ def decode_kernel(
             acc = acc * _per_head(alpha, NH)[None, :]
         # P^T: rows 0..7 of p (a group of 16: all rows), as the B operand of the PV dot
         if NH == 8:
-            p8 = _rows0to7(p.to(gl.float16), BN)
+            p8 = _rows0to7(p.to(CDT), BN)
         else:
-            p8 = p.to(gl.float16)
+            p8 = p.to(CDT)
         pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
-        acc = mma_v2(_v_operand(vw, VOP, E5M2, D), pt, acc)
+        if WIDE:
+            vt = _v_operand_wide(vw, VOP, D, WIDE)
+        else:
+            vt = _v_operand(vw, VOP, E5M2, D)
+        acc = mma_v2(vt, pt, acc)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 4jw + 2bh + r,
     # m = 2jw + bh
@@ -567,7 +626,10 @@ def decode_kernel(
         if HAS_SINKS:
             acc, l8 = _fold_sinks(acc, l8, m8, SINKS, heads, hmask)
             l_safe = gl.where(l8 > 0, l8, 1.0)
-        o = acc * (gl.load(VSC) / l_safe)[None, :]
+        if WIDE:
+            o = acc / l_safe[None, :]
+        else:
+            o = acc * (gl.load(VSC) / l_safe)[None, :]
         _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh)
     else:
         o = acc / l_safe[None, :]

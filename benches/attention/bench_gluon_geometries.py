@@ -49,8 +49,8 @@ MODELS = {
         "llama-3.1-8b",
     )
 }
-MODELS["group-16 (64/4 x 128)"] = (1, 64, 4, 128, {})
-MODELS["group-16 (32/2 x 64)"] = (1, 32, 2, 64, {})
+MODELS["group16-64x4x128"] = (1, 64, 4, 128, {})
+MODELS["group16-32x2x64"] = (1, 32, 2, 64, {})
 DTYPES = ("bf16", "fp8_e4m3", "nvfp4", "fp8_e5m2", "fp4_mx_block16")
 TARGETS = {"bf16": 0.95, "fp8_e4m3": 1.6, "nvfp4": 2.0}
 

@@ -411,8 +411,11 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
     paged, rescale, hf = variants._GLUON_FP8_OPTIONS[view.dtype]
     hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
+    # 16-bit caches (WIDE 1 fp16, 2 bf16): no scales (placeholders)
+    wide = {"fp16": 1, "bf16": 2}.get(view.dtype, 0)
+    ksc, vsc = (out, out) if wide else (view.k_scale, view.v_scale)
     decode_kernel[grid](
-        *head, view.k_scale, view.v_scale, *tail, *rest,
+        *head, ksc, vsc, *tail, *rest, WIDE=wide,
         PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
         E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,
         HEAD_FAST=hf, **opts,

@@ -129,7 +129,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles.
     """
     b, dev = page_table.shape[0], view.k.device
-    stages, per_sm, maxnreg = _GLUON_CONFIG[view.dtype]
+    stages, per_sm, maxnreg = variants._gluon_config(view.dtype)
     group = num_q_heads // view.num_kv_heads
     base = variants._gluon_base(view, group)
     if not base:

@@ -64,7 +64,10 @@ def _gluon_kernel_name(view: LayerView, group: int) -> str:
     ``gluon_fp8`` / ``gluon_fp4`` at head_dim 128 with a group of <= 8, else with ``_hd64`` /
     ``_hd256`` and ``_g16`` (groups of 9..16: 16-wide PV dots) appended.
     """
-    name = "gluon_fp4" if view.dtype in _FP4 else "gluon_fp8"
+    if view.dtype in _GLUON_16BIT:
+        name = f"gluon_{view.dtype}"
+    else:
+        name = "gluon_fp4" if view.dtype in _FP4 else "gluon_fp8"
     if view.head_dim != 128:
         name += f"_hd{view.head_dim}"
     return name + ("_g16" if group > 8 else "")
@@ -84,13 +87,19 @@ def _gluon_programs_per_sm(view: LayerView, group: int) -> int:
     return _GLUON_PER_SM[view.head_dim]
 
 
+def _gluon_config(dtype: str) -> tuple:
+    """``(ring stages, programs per SM, register cap)`` of the Gluon kernel for ``dtype``."""
+    return _GLUON_16BIT[dtype] if dtype in _GLUON_16BIT else _GLUON_CONFIG[dtype]
+
+
 _GLUON_PER_SM = {64: 16, 128: 9, 256: 8}
 
 
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
     """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
 
-    It needs fp8 or FP4 caches, K and V head_dim 64, 128 or 256 (alike), a query group of
+    It needs fp8 or FP4 caches (bf16 and fp16 at head_dim 64 only: ``_GLUON_16BIT``), K and V
+    head_dim 64, 128 or 256 (alike), a query group of
     1..16 heads (1..8 at head_dim 256: ``_GLUON_GROUPS``), rows whose start and stride are
     multiples of 16 bytes with each head's ``head_dim`` (fp8) or ``head_dim / 2`` (FP4) bytes
     contiguous (128-bit loads), FP4 block scales 2-byte aligned with a head's ``head_dim / 16``
@@ -99,9 +108,15 @@ def _gluon_unfit(view: LayerView, group: int) -> str | None:
     with a group of <= 8, and :func:`_gluon_device_unfit`'s device and Triton. The layout
     checks come first, so they are named (and testable) on any device.
     """
-    if view.dtype not in _GLUON_CONFIG:
-        return f"{view.dtype} caches ({', '.join(_GLUON_CONFIG)} only)"
     hd = view.head_dim
+    if view.dtype in _GLUON_16BIT:
+        if hd != 64 or view.v_head_dim != 64:
+            return (
+                f"{view.dtype} caches at head_dim {hd} / v_head_dim {view.v_head_dim} (64 only; "
+                f"{', '.join(_GLUON_CONFIG)} at 64, 128 and 256)"
+            )
+    elif view.dtype not in _GLUON_CONFIG:
+        return f"{view.dtype} caches ({', '.join(_GLUON_CONFIG)} only)"
     if hd != view.v_head_dim or hd not in _GLUON_GROUPS:
         return f"head_dim {hd} / v_head_dim {view.v_head_dim} (64, 128 or 256, K and V alike)"
     if not 1 <= group <= _GLUON_GROUPS[hd]:
@@ -239,6 +254,14 @@ _GLUON_FP4_OPTIONS = (True, 0, True, 2)
 # rescale 0.273 (136 registers instead of 128, so kept eager); e5m2 0.303 -> 0.292 -> lazy 0.282
 # -> head-fast 0.277 (1.78x). 4 splits were slower in every pair (0.287-0.386).
 _GLUON_FP8_OPTIONS = {"fp8_e4m3": (True, -1.0, True), "fp8_e5m2": (True, 8.0, True)}
+# 16-bit caches in decode_gluon.py (``WIDE``: the words are the MMA operands, no decode), at
+# head_dim 64 only (gpt-oss: the Triton kernel reached 0.87x SDPA there, run 12): a 3-stage
+# cp.async ring of 2 KiB tiles (96 registers, 12 KiB: 16 programs per SM in the split model);
+# at 128 the Triton kernel stays (the measured default, 0.95x), at 256 a tile is 8 KiB (a
+# 3-stage ring of 48 KiB: 4 programs per SM) and the Triton kernel is at 1.00-1.08x. Options
+# as e4m3's (eager rescale, one page id per tile, head-fast grid). Not measured on a GPU yet.
+_GLUON_16BIT = {"bf16": (3, 16, None), "fp16": (3, 16, None)}
+_GLUON_FP8_OPTIONS.update(bf16=(True, -1.0, True), fp16=(True, -1.0, True))
 _GLUON_OVERHEAD = 256
 
 
