@@ -21,7 +21,6 @@ from kvpool.attention.checks import (
 from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
-    _GLUON_CONFIG,
     _GLUON_OVERHEAD,
     _SWAP_DEFAULT,
     GROUP_PAD_MAX,
