@@ -1,8 +1,17 @@
 """Paged decode over fp8 caches in Gluon (Triton's layout-explicit dialect), no layout changes.
 
 ``@gluon.jit`` code only; the launcher and its checks live in ``kvpool.attention`` (plans with
-``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8, 16-byte
-aligned K/V rows; Triton 3.6, ``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
+``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2 (bf16/fp16 at head_dim 64: ``WIDE``), head_dim
+``D`` 64, 128 or 256, query group ``G`` <= 16, 16-byte aligned K/V rows; Triton 3.6,
+``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
+
+Head_dim and group (issue 17) are constants: a lane reads ``D / 4`` contiguous bytes of a K row
+and ``D / 8`` of a V row (the permutations below with 32 -> ``D / 4`` words, 16 -> ``D / 8``),
+the QK dot takes ``D / 16`` k-steps and the PV dot ``D / 16`` M-tiles; groups of 9..16 make the
+PV dot 16 heads wide (``NH``), P^T then all 16 rows of S's accumulator (also free). ``WIDE``
+(16-bit caches): the K words are the B fragment's registers as stored, V's two token rows are
+interleaved by half-word moves; no scales. Head_dim 128 with a group of <= 8 compiles to the
+same PTX instructions as before these constants.
 
 One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)`` as in
 ``decode.py``, or ``(H_kv, B, splits)`` with ``HEAD_FAST``; same split outputs, merged by

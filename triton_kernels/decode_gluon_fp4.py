@@ -5,7 +5,12 @@ tensor-core fragments.
 ``gluon=True`` on FP4 caches; the same device and geometry limits as the fp8 kernel in
 ``decode_gluon.py``, whose design this follows: one warp per (request, KV head, split), 16-token
 tiles, ``mma.sync.m16n8k16`` with fp16 operands, head dims and value dims permuted so that every
-layout conversion is free, P^T taken from S's accumulator).
+layout conversion is free, P^T taken from S's accumulator). Head_dim ``D`` 64, 128 or 256 and
+groups up to 16 as in the fp8 kernel: a K row of ``D / 16`` blocks (``D / 64`` per lane), a
+V row of ``D / 128`` blocks per lane; at head_dim 64 a lane holds half a V block (a 32-bit
+word per token, ``_v_block_asm(dec, words=1)``, its block's scale read by two lanes) and runs
+register prefetch only; at 256 the ring's TMA boxes are 16 x 128 bytes with the 128-byte
+swizzle (register prefetch would spill). Head_dim 128 with groups <= 8: PTX unchanged.
 
 What differs for FP4 (the cache row of one head: 64 bytes of E2M1 nibbles, element ``2i`` in the
 low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):

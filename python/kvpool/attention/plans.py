@@ -77,16 +77,19 @@ class DecodePlan:
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     gluon : bool
-        Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8,
-        ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 128, 16-token tiles into
+        Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8 and, at head_dim 64,
+        bf16/fp16; ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 64, 128 or
+        256, query groups up to 16 (8 at 256; ``variants._GLUON_GROUPS``), 16-token tiles into
         tensor-core fragments without layout conversions, one warp per program; a ring of
         ``num_stages`` stages in shared memory (fp8: 3 cp.async stages; FP4: 2 stages of
         ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
-        scale rows; else register prefetch, ``prefetch``) instead of the Triton one; the other
-        kernel options are unused.
+        scale rows, always at head_dim 256; FP4 at head_dim 64: register prefetch,
+        ``prefetch``) instead of the Triton one; the other kernel options are unused.
     kernel : str
         The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
-        ``"gluon_fp4"`` (the Gluon kernels) or ``"triton_generic"`` (``decode.decode_kernel``).
+        ``"gluon_fp4"`` (the Gluon kernels at head_dim 128 with a group of <= 8), the same with
+        ``"_hd64"`` / ``"_hd256"`` and ``"_g16"`` (groups of 9..16) appended, ``"gluon_bf16_hd64"``
+        / ``"gluon_fp16_hd64"``, or ``"triton_generic"`` (``decode.decode_kernel``).
     """
 
     page_table: torch.Tensor
@@ -258,11 +261,12 @@ def plan_decode(
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
     gluon : bool, optional
-        Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, CUDA compute
-        capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
-        Triton in ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and
-        for fp8 the batch has more than 16 programs per split (B x KV heads) and the longest
-        request is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast
+        Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, bf16/fp16 at
+        head_dim 64, CUDA compute capability 8.9+ NVIDIA, head_dim 64, 128 or 256, query group
+        <= 16 (<= 8 at 256), 16-byte aligned K/V rows, a Triton in ``GLUON_TRITON``,
+        ``KVPOOL_GLUON_WIDE`` not 0 off head_dim 128 with groups <= 8; see ``_gluon_unfit``), no
+        Triton knob above is given, and for fp8 and 16-bit caches the batch has more than 16
+        programs per split (B x KV heads) and the longest request is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast
         or faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
@@ -270,7 +274,10 @@ def plan_decode(
         0.266-0.272 ms (1.81x), e5m2 0.274 ms (1.80x, ring); nvfp4 B=64/8k 0.243-0.245 ms vs
         0.421-0.425 (1.96-2.01x SDPA instead of 1.15x). Run 9 (``results/run9_h200``, TMA
         tiles, two tiles a ring stage): nvfp4 0.216-0.217 ms (2.24-2.28x), fp4_mx_block16
-        0.270 (1.80x). True where it cannot run raises ValueError naming why.
+        0.270 (1.80x). True where it cannot run raises ValueError naming why; False runs the
+        Triton kernel (a side-by-side comparison: ``bench_gluon_geometries.py``). Head_dim
+        64 / 256 and groups of 9..16 (issue 17) are compiled and checked for sm_90 on the CPU
+        (``tests/test_gluon_compile.py``), not yet measured on a GPU.
 
     Returns
     -------
