@@ -266,8 +266,9 @@ def plan_decode(
         <= 16 (<= 8 at 256), 16-byte aligned K/V rows, a Triton in ``GLUON_TRITON``,
         ``KVPOOL_GLUON_WIDE`` not 0 off head_dim 128 with groups <= 8; see ``_gluon_unfit``), no
         Triton knob above is given, and for fp8 and 16-bit caches the batch has more than 16
-        programs per split (B x KV heads) and the longest request is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast
-        or faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
+        programs per split (B x KV heads) and the longest request is at least 2,048 tokens
+        (at B=1 and at 1k tokens the Triton kernel is as fast or faster; the FP4 Gluon kernel
+        is faster at every batch, run 8 calls 11 and 14).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
