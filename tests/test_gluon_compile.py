@@ -55,7 +55,8 @@ def compile_sm90(module: str, consts: dict):
         if n in ("KD", "VD"):
             if consts.get("TMA"):
                 w = consts["D"] // 2
-                lay = gl.NVMMASharedLayout(swizzle_byte_width=w, element_bitwidth=8, rank=2)
+                sw = w if w >= 64 else 0  # (as launch_decode._tma_desc)
+                lay = gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=8, rank=2)
                 sig[n] = f"tensordesc<u8[16, {w}],{lay!r}>"
             else:
                 sig[n], consts[n] = "constexpr", None
@@ -101,7 +102,7 @@ def launch_consts(dtype: str, d: int, g: int, options: bool, page: int) -> tuple
         )  # fmt: skip
     hf, ablate, tma, _ = variants._GLUON_FP4_OPTIONS
     dec = (2, 2) if dtype == "fp4_mx_block16" else variants._GLUON_FP4_DEC
-    ring = paged and d != 64
+    ring = paged
     return "decode_gluon_fp4", dict(
         common, DEC_K=dec[0], DEC_V=dec[1], PAGED=paged, HEAD_FAST=hf, ABLATE=ablate,
         STAGES=variants._GLUON_CONFIG[dtype][0] if ring else 0, TMA=ring and tma,

@@ -8,9 +8,10 @@ tiles, ``mma.sync.m16n8k16`` with fp16 operands, head dims and value dims permut
 layout conversion is free, P^T taken from S's accumulator). Head_dim ``D`` 64, 128 or 256 and
 groups up to 16 as in the fp8 kernel: a K row of ``D / 16`` blocks (``D / 64`` per lane), a
 V row of ``D / 128`` blocks per lane; at head_dim 64 a lane holds half a V block (a 32-bit
-word per token, ``_v_block_asm(dec, words=1)``, its block's scale read by two lanes) and runs
-register prefetch only; at 256 the ring's TMA boxes are 16 x 128 bytes with the 128-byte
-swizzle (register prefetch would spill). Head_dim 128 with groups <= 8: PTX unchanged.
+word per token, ``_v_block_asm(dec, words=1)``, its block's scale read by two lanes; the ring
+reads V's words as ``[16, 8]`` int32 and relabels them) and the ring's TMA boxes are 16 x 32
+bytes, unswizzled; at 256 they are 16 x 128 bytes with the 128-byte swizzle (register prefetch
+would spill there). Head_dim 128 with groups <= 8: PTX unchanged.
 
 What differs for FP4 (the cache row of one head: 64 bytes of E2M1 nibbles, element ``2i`` in the
 low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
@@ -281,9 +282,45 @@ def _fp4_v_rowcol_layout(d):
 
 
 @triton.constexpr_function
+def _fp4_v64_words_layout():
+    """head_dim 64: a V tile's words ``[16 tokens, 8]`` read from the ring, lane ``4g + t`` ->
+    tokens 2t, 2t + 1, 2t + 8, 2t + 9, word g (reshaped to ``_fp4_v_layout(64)``: a
+    relabeling)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, 8],
+    )
+
+
+@triton.constexpr_function
+def _fp4_tma_swizzle(d):
+    """TMA swizzle (bytes) of a ring's ``16 x d / 2``-byte data boxes (``_fp4_row_swizzle``)."""
+    return d // 2 if d >= 128 else 0
+
+
+@triton.constexpr_function
+def _fp4_v64(which, d):
+    """Whether a ring read is head_dim 64's V (``which`` 1): words, not blocks."""
+    return which == 1 and d == 64
+
+
+@triton.constexpr_function
+def _fp4_v64_swizzle():
+    """head_dim 64: ``_fp4_row_swizzle(64)`` in 32-bit words (none)."""
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@triton.constexpr_function
 def _fp4_row_swizzle(d):
     """Ring layout of ``[16, d / 16]`` int64 blocks: TMA's swizzle of ``d / 2``-byte rows (64:
-    16-byte chunk c of row r at ``c ^ (r // 2) % 4``; 128: at ``c ^ r % 8``)."""
+    16-byte chunk c of row r at ``c ^ (r // 2) % 4``; 128: at ``c ^ r % 8``; 32: none, which
+    Triton's NVMMA layout refuses for 16 x 32-byte boxes: a warp's K reads are 256 contiguous
+    bytes, its V reads 2-way conflicted)."""
+    if d == 64:
+        return gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[1, 0])
     if d == 256:
         return gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
     return gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
@@ -623,14 +660,32 @@ def _issue(
 
 @gluon.jit
 def _smem_tile(
-    bufs, which: gl.constexpr, slot, L: gl.constexpr, SD: gl.constexpr, TMA: gl.constexpr
+    bufs,
+    which: gl.constexpr,
+    slot,
+    L: gl.constexpr,
+    SD: gl.constexpr,
+    TMA: gl.constexpr,
+    D: gl.constexpr = 128,
 ):
     """Blocks (int64) and scale bytes (int32) of ring slot ``slot`` of K (``which`` 0) or V (1)
     in the register layout ``L`` (TMA's byte boxes read as int64 blocks: same swizzle)."""
     x = bufs[which].index(slot)
-    if TMA:
-        x = x._reinterpret(gl.int64, [16, x.shape[1] // 8], SD)
-    return x.load(L), bufs[2 + which].index(slot).load(L).to(gl.int32)
+    V64: gl.constexpr = _fp4_v64(which, D)
+    if V64:  # (V as words [16, 4 blocks, 2 halves], L 3-D)
+        if TMA:
+            x = x._reinterpret(gl.int32, [16, x.shape[1] // 4], _fp4_v64_swizzle())
+        else:
+            x = x._reinterpret(gl.int32, [16, x.shape[1] * 2], _fp4_v64_swizzle())
+        w = gl.reshape(x.load(_fp4_v64_words_layout()), [16, 4, 2])
+        out = gl.convert_layout(w, L, assert_trivial=True)
+        sc = bufs[3].index(slot).load(gl.SliceLayout(2, L)).to(gl.int32)
+    else:
+        if TMA:
+            x = x._reinterpret(gl.int64, [16, x.shape[1] // 8], SD)
+        out = x.load(L)
+        sc = bufs[2 + which].index(slot).load(L).to(gl.int32)
+    return out, sc
 
 
 @gluon.jit
@@ -747,10 +802,8 @@ def decode_kernel(
     D: gl.constexpr = 128,
 ):
     BN: gl.constexpr = 16
-    # head_dim D (64, 128, 256; 64: register prefetch only); the PV dot's N side: 8 heads, or
-    # 16 for groups of 9..16
+    # head_dim D (64, 128, 256); the PV dot's N side: 8 heads, or 16 for groups of 9..16
     gl.static_assert(_geometry_ok(D, G), "D 64, 128 or 256; G 1..16")
-    gl.static_assert(D != 64 or STAGES == 0, "head_dim 64: register prefetch (STAGES 0)")
     NH: gl.constexpr = 8 if G <= 8 else 16
     NBK: gl.constexpr = D // 16  # blocks (and scale bytes) of a head's row
     # (MMA, QOP, KOP, VOP, POP: decode_gluon's shared mma.sync layouts)
@@ -800,7 +853,7 @@ def decode_kernel(
     S8: gl.constexpr = _fp4_softmax_layout(NH)
     sc = gl.arange(0, BN, layout=gl.SliceLayout(0, S8))
     kx_ptr = K.to(gl.pointer_type(gl.int64), bitcast=True) + hk * NBK
-    if D == 64:  # (V as 32-bit words: half a block per lane)
+    if D == 64 and STAGES == 0:  # (V as 32-bit words: half a block per lane)
         vx_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (2 * NBK)
     else:
         vx_ptr = V.to(gl.pointer_type(gl.int64), bitcast=True) + hk * NBK
@@ -808,7 +861,7 @@ def decode_kernel(
     vs_ptr = VBS + hk * NBK
     pt_row = PT + b.to(gl.int64) * stride_pt
     srk = stride_kr // 8
-    if D == 64:
+    if D == 64 and STAGES == 0:
         srv = stride_vr // 4
     else:
         srv = stride_vr // 8
@@ -834,7 +887,7 @@ def decode_kernel(
         if TMA:
             # TMA's 64-byte swizzle is SD's (16-byte chunk c of row r at c ^ (r // 2) % 4)
             TL: gl.constexpr = gl.NVMMASharedLayout(
-                swizzle_byte_width=D // 2, element_bitwidth=8, rank=2
+                swizzle_byte_width=_fp4_tma_swizzle(D), element_bitwidth=8, rank=2
             )
             bufs = (
                 gl.allocate_shared_memory(gl.uint8, [NB, BN, D // 2], TL),
@@ -907,20 +960,20 @@ def decode_kernel(
             if TMA:
                 mbarrier.wait(bars.index(st), (i // STAGES) & 1)
             i += 1
-            kx, ks = _smem_tile(bufs, 0, st * SUB, KL, SD, TMA)
+            kx, ks = _smem_tile(bufs, 0, st * SUB, KL, SD, TMA, D)
             if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
-                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA, D)
                 acc = acc + _checksum(kx, ks, vx, vs)
                 if SUB == 2:
-                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
-                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA, D)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA, D)
                     acc = acc + _checksum(kx, ks, vx, vs)
             else:
                 sa = _scores(
                     q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH
                 )
                 if SUB == 2:
-                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA, D)
                     sb = _scores(
                         q, kx, ks, s + BN, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW,
                         D, NH,
@@ -930,12 +983,12 @@ def decode_kernel(
                     m_new = gl.maximum(m_i, gl.max(sa, axis=1))
                 m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
                 pa = _exp2(sa - m_i[:, None])
-                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA, D)
                 acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V, D)
                 if SUB == 2:
                     pb = _exp2(sb - m_i[:, None])
                     l_i = l_i + gl.sum(pa + pb, axis=1)
-                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA, D)
                     acc = _pv(acc, vx, vs, pb, VOP, POP, CDT, DEC_V, D)
                 else:
                     l_i = l_i + gl.sum(pa, axis=1)

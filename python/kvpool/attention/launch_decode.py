@@ -378,8 +378,7 @@ def _launch_gluon(view, q, page_table, seq_lens, plan, out, scale, softcap, wind
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
-        # head_dim 64: register prefetch only; 256: the ring only (prefetch would spill)
-        ring = ring and view.head_dim != 64
+        # head_dim 256: the ring only (register prefetch would spill)
         if view.head_dim == 256 and not ring:
             raise ValueError(
                 f"`plan.prefetch` = {plan.prefetch}: FP4 caches at head_dim 256 take the Gluon "
@@ -430,13 +429,14 @@ def _has_tma(device: torch.device) -> bool:
 def _tma_desc(t: torch.Tensor):
     """TMA descriptor of an FP4 data buffer for the Gluon decode kernel's ring.
 
-    ``t`` is ``[R, H, w]`` uint8 (``w`` = head_dim / 2: 64 or 128 bytes), described as
-    ``[R, H * w]`` with 16 x ``w`` boxes and the ``w``-byte swizzle.
+    ``t`` is ``[R, H, w]`` uint8 (``w`` = head_dim / 2: 32, 64 or 128 bytes), described as
+    ``[R, H * w]`` with 16 x ``w`` boxes and the ``w``-byte swizzle (none for 32).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     w = t.shape[2]
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=w, element_bitwidth=8, rank=2)
+    sw = w if w >= 64 else 0  # (head_dim 64: unswizzled 32-byte rows, decode_gluon_fp4)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=8, rank=2)
     shape = [t.shape[0], t.shape[1] * t.shape[2]]
     return TensorDescriptor(t, shape, [t.stride(0), 1], [16, w], layout)

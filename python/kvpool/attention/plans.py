@@ -83,8 +83,8 @@ class DecodePlan:
         tensor-core fragments without layout conversions, one warp per program; a ring of
         ``num_stages`` stages in shared memory (fp8: 3 cp.async stages; FP4: 2 stages of
         ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
-        scale rows, always at head_dim 256; FP4 at head_dim 64: register prefetch,
-        ``prefetch``) instead of the Triton one; the other kernel options are unused.
+        scale rows, always at head_dim 256; else register prefetch, ``prefetch``) instead of
+        the Triton one; the other kernel options are unused.
     kernel : str
         The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
         ``"gluon_fp4"`` (the Gluon kernels at head_dim 128 with a group of <= 8), the same with
@@ -135,11 +135,9 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     group = num_q_heads // view.num_kv_heads
     base = variants._gluon_base(view, group)
     if not base:
-        # other head_dims and groups of 9..16 (their own registers; FP4 at head_dim 64 by
-        # register prefetch, elsewhere two 16-token tiles a ring stage)
+        # other head_dims and groups of 9..16 (their own registers; FP4: two 16-token tiles a
+        # ring stage)
         per_sm = variants._gluon_programs_per_sm(view, group)
-        if view.dtype in _FP4 and view.head_dim == 64:
-            stages = 0
     given = num_splits
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
