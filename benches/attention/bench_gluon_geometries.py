@@ -79,7 +79,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--shapes", default="64x8192")
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--budget-s", type=float, default=220.0)
     ap.add_argument("--warm", default="", help="i/N: compile every N-th point only")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -5,7 +5,8 @@
 #    processes; TESTS = pytest -k expression, "none" skips them; default: page 16 only);
 # 2. time every point in one process (bench_gluon_geometries.py: default plan, generic kernel,
 #    SDPA bf16, rel diff default vs generic).
-# Env: OUT, DTYPES (comma list), MODELS, SHAPES, NWARM (8), NPROC (3), TESTS, BENCH_TIMEOUT.
+# Env: OUT, DTYPES (comma list), MODELS, SHAPES, NWARM (8), NPROC (4), TESTS, WARM_TIMEOUT (200),
+# TEST_TIMEOUT (200), BENCH_TIMEOUT (240): at most ~7.5 minutes in all.
 # Everything lands in $OUT: bench.log, gluon_geometries.json/.md, logs.tgz (warm + test logs).
 set -u
 cd "$(dirname "$0")/../.."
@@ -21,17 +22,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   >> "$OUT/bench.log" 2>&1
 NWARM=${NWARM:-8}
 for i in $(seq 0 $((NWARM - 1))); do
-  timeout "${WARM_TIMEOUT:-240}" python3 $B --warm "$i/$NWARM" "${ARGS[@]}" > "$OUT/warm_$i.log" 2>&1 &
+  timeout "${WARM_TIMEOUT:-200}" python3 $B --warm "$i/$NWARM" "${ARGS[@]}" > "$OUT/warm_$i.log" 2>&1 &
 done
 if [ "${TESTS-x}" != "none" ]; then
-  OUT=$OUT NPROC=${NPROC:-3} FILES=tests/test_gluon_geometries.py TESTS="${TESTS:-page16 or default_plan}" \
-    TEST_TIMEOUT=${TEST_TIMEOUT:-240} bash benches/attention/run_gpu_tests.sh > "$OUT/tests_out.txt" 2>&1
+  OUT=$OUT NPROC=${NPROC:-4} FILES=tests/test_gluon_geometries.py TESTS="${TESTS:-page16 or default_plan}" \
+    TEST_TIMEOUT=${TEST_TIMEOUT:-200} bash benches/attention/run_gpu_tests.sh > "$OUT/tests_out.txt" 2>&1
   cat "$OUT/tests_out.txt"
 fi
 wait
 echo "warm and tests done at +$(( $(date +%s) - T0 ))s"
 grep -h "Error\|error" "$OUT"/warm_*.log | sort | uniq -c | head -20
-timeout "${BENCH_TIMEOUT:-300}" python3 $B --out "$OUT" "${ARGS[@]}" 2>&1 | tee -a "$OUT/bench.log" \
+timeout "${BENCH_TIMEOUT:-240}" python3 $B --out "$OUT" "${ARGS[@]}" 2>&1 | tee -a "$OUT/bench.log" \
   | grep -v "^  File\|^    " | tail -60
 echo "all done at +$(( $(date +%s) - T0 ))s"
 cd "$OUT" && tar czf logs.tgz --remove-files warm_*.log tests_*.log ids_*.txt test_ids.txt 2>/dev/null
