@@ -130,6 +130,9 @@ def main(argv=None):
                     rec["error"] = repr(e)[:300]
                 records.append(rec)
                 bm.log(json.dumps(rec))
+                if bench is not None:  # (as they come: a cut run keeps its points)
+                    with open(os.path.join(args.out, "gluon_geometries.json"), "w") as f:
+                        json.dump(records, f, indent=1)
             del view
             torch.cuda.empty_cache()
     if bench is None:
