@@ -384,9 +384,9 @@ def test_decode_gpu_gluon_default_and_refusals():
     with pytest.raises(ValueError, match="uses the Gluon kernel, which does not run bf16 caches"):
         attention.decode(cb.view, q, plan=plan)
     with pytest.raises(ValueError, match="`gluon=True`: the Gluon decode kernel does not run "
-                                         "head_dim 64"):
-        c64 = Cache("fp8_e4m3", [40] * 4, heads=8, d=64, page=16, device="cuda")
-        attention.plan_decode(c64.view, 32, c64.page_table, c64.seq_lens, gluon=True)
+                                         "head_dim 32"):
+        c32 = Cache("fp8_e4m3", [40] * 4, heads=8, d=32, page=16, device="cuda")
+        attention.plan_decode(c32.view, 32, c32.page_table, c32.seq_lens, gluon=True)
 
 
 @gpu

@@ -97,10 +97,12 @@ def test_gluon_unfit_layout_checks():
 
     v = Cache("fp8_e4m3", [40] * 2, heads=8, d=128, page=16).view
     assert attention._gluon_unfit(v, 4).startswith("a CPU tensor")
-    assert attention._gluon_unfit(v, 9) == "a query group of 9 heads (1..8 only)"
-    assert attention._gluon_unfit(v, 0) == "a query group of 0 heads (1..8 only)"
-    v64 = Cache("fp8_e5m2", [40] * 2, heads=2, d=64, page=16).view
-    assert attention._gluon_unfit(v64, 4) == "head_dim 64 / v_head_dim 64 (128 only)"
+    assert attention._gluon_unfit(v, 17) == "a query group of 17 heads (1..16 only at head_dim 128)"
+    assert attention._gluon_unfit(v, 0) == "a query group of 0 heads (1..16 only at head_dim 128)"
+    v32 = Cache("fp8_e5m2", [40] * 2, heads=2, d=32, page=16).view
+    assert attention._gluon_unfit(v32, 4) == (
+        "head_dim 32 / v_head_dim 32 (64, 128 or 256, K and V alike)"
+    )
     bad = dataclasses.replace(v, v=_misaligned(v.v, offset=4))
     assert bad.v.data_ptr() % 16 == 4
     assert torch.equal(bad.v.view(torch.uint8), v.v.view(torch.uint8))
@@ -196,9 +198,11 @@ def test_decode_gluon_plan_refusals(monkeypatch):
     refused(r"uses the Gluon kernel, which does not run K/V rows not 16-byte aligned", bad)
     with pytest.raises(ValueError, match=r"`gluon=True`: .* K/V rows not 16-byte aligned"):
         attention.plan_decode(bad, 32, c.page_table, c.seq_lens, gluon=True)
-    # the same 32 query heads over 2 KV heads: a group of 16
+    # the same 32 query heads over 2 KV heads (a group of 16) with the wide geometries off
     c2 = Cache("fp8_e4m3", [40, 17, 3, 33], heads=2, d=128, page=16)
-    refused(r"which does not run a query group of 16 heads \(1..8 only\)", c2.view)
+    monkeypatch.setenv("KVPOOL_GLUON_WIDE", "0")
+    refused(r"which does not run head_dim 128 with a group of 16 while KVPOOL_GLUON_WIDE=0", c2.view)
+    monkeypatch.delenv("KVPOOL_GLUON_WIDE")
     # a bf16 layer of the same geometry
     cb = Cache("bf16", [40, 17, 3, 33], heads=8, d=128, page=16)
     refused("which does not run bf16 caches", cb.view, q=q.bfloat16(), out=out.bfloat16())

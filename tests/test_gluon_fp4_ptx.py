@@ -199,3 +199,21 @@ def test_v_block_ptx_matches_dequantization(dec):
         for c in range(16):
             assert out[2 * c] == _bits(_e2m1(ne[c]) * _scale(se, dec), dec), (dec, i, c)
             assert out[2 * c + 1] == _bits(_e2m1(no[c]) * _scale(so, dec), dec), (dec, i, c)
+
+
+@pytest.mark.parametrize("dec", [0, 1, 2])
+def test_v_half_block_ptx_matches_dequantization(dec):
+    """head_dim 64 (``_v_block_asm(dec, words=1)``): one 32-bit word of a block per token row,
+    value dim ``c`` = nibble ``c`` of the word, for the even and the odd row."""
+    rng = np.random.default_rng(20 + dec)
+    asm = fp4._v_block_asm(dec, 1)
+    words = [b & M32 for b in _blocks(rng, 4)] + [b >> 32 for b in _blocks(rng, 4)]
+    scales = _scale_bytes(dec)
+    for i, se in enumerate(scales):
+        so = scales[(5 * i + 1) % len(scales)]
+        we, wo = words[i % len(words)], words[(i + 3) % len(words)]
+        out = run_ptx(asm, [we, wo, se, so], 16)
+        ne, no = _nibbles(we)[:8], _nibbles(wo)[:8]
+        for c in range(8):
+            assert out[2 * c] == _bits(_e2m1(ne[c]) * _scale(se, dec), dec), (dec, i, c)
+            assert out[2 * c + 1] == _bits(_e2m1(no[c]) * _scale(so, dec), dec), (dec, i, c)

@@ -1,8 +1,17 @@
 """Paged decode over fp8 caches in Gluon (Triton's layout-explicit dialect), no layout changes.
 
 ``@gluon.jit`` code only; the launcher and its checks live in ``kvpool.attention`` (plans with
-``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2, head_dim 128, query group <= 8, 16-byte
-aligned K/V rows; Triton 3.6, ``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
+``gluon=True``: NVIDIA sm_89+, fp8_e4m3/fp8_e5m2 (bf16/fp16 at head_dim 64: ``WIDE``), head_dim
+``D`` 64, 128 or 256, query group ``G`` <= 16, 16-byte aligned K/V rows; Triton 3.6,
+``attention.GLUON_TRITON``: 3.9 removed the cp.async call below).
+
+Head_dim and group (issue 17) are constants: a lane reads ``D / 4`` contiguous bytes of a K row
+and ``D / 8`` of a V row (the permutations below with 32 -> ``D / 4`` words, 16 -> ``D / 8``),
+the QK dot takes ``D / 16`` k-steps and the PV dot ``D / 16`` M-tiles; groups of 9..16 make the
+PV dot 16 heads wide (``NH``), P^T then all 16 rows of S's accumulator (also free). ``WIDE``
+(16-bit caches): the K words are the B fragment's registers as stored, V's two token rows are
+interleaved by half-word moves; no scales. Head_dim 128 with a group of <= 8 compiles to the
+same PTX instructions as before these constants.
 
 One warp = one request x one KV head x one split (grid ``(B, H_kv, splits)`` as in
 ``decode.py``, or ``(H_kv, B, splits)`` with ``HEAD_FAST``; same split outputs, merged by
@@ -122,23 +131,112 @@ def _v_pairs_f16(we, wo, E5M2: gl.constexpr):
     )
 
 
+@triton.constexpr_function
+def _geometry_ok(d, g):
+    """Whether the Gluon decode kernels take head_dim ``d`` and query group ``g``."""
+    return d in (64, 128, 256) and 1 <= g <= 16
+
+
+@triton.constexpr_function
+def _k_words_layout(n):
+    """K words ``[16 tokens, n]`` (``n`` words a head's row: head_dim / 4 for fp8, / 2 for
+    16-bit caches): lane ``4g + t`` holds rows g, g+8 and words ``(n / 4) t`` on (a quarter of
+    the token's row, contiguous)."""
+    return gl.BlockedLayout(
+        size_per_thread=[1, n // 4], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+    )
+
+
+@triton.constexpr_function
+def _v_words_layout(n):
+    """V words ``[16 tokens, n]`` (``n`` words a row, as :func:`_k_words_layout`): ``w = n / 8``
+    contiguous words per register group (128-bit loads from 4 on), then the odd token of the
+    pair, then the token 8 rows down; lane ``4g + t`` -> tokens ``2t``, words ``w g``."""
+    w = n // 8
+    regs = [[0, 1 << i] for i in range(w.bit_length() - 1)] + [[1, 0], [8, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, n],
+    )
+
+
+@triton.constexpr_function
+def _operand_dtype(wide):
+    """The MMA operands' type: fp16 (fp8 and fp16 caches), bf16 (``wide`` 2: bf16 caches)."""
+    return gl.bfloat16 if wide == 2 else gl.float16
+
+
+@triton.constexpr_function
+def _ring_layout(n):
+    """Shared layout of a ring stage's ``[16, n]`` words (rows of >= 128 bytes: 8 phases; 64
+    bytes: two rows a 128-byte line, TMA's 64-byte pattern)."""
+    if n == 16:
+        return gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4, order=[1, 0])
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+
+
 @gluon.jit
-def _k_operand(w, BOP: gl.constexpr, E5M2: gl.constexpr):
-    """Raw K words ``[16 tokens, 32]`` (lane ``4g + t``: rows g, g+8; words 8t..8t+7) -> K^T
-    ``[128, 16]`` fp16 as the B operand of the QK MMA (logical head dims, see the module)."""
-    o0, o1, o2, o3 = _k_words_f16(w, E5M2)
-    x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [16, 32, 2, 2]: d = 4 word + 2j + k
-    x = gl.reshape(x, [16, 4, 8, 2, 2])  # (tok, t, s, h, e)
+def _halves(w, WIDE: gl.constexpr):
+    """Words of two 16-bit values -> (low, high) as fp16 (``WIDE`` 1) or bf16 (2; register
+    moves)."""
+    return gl.inline_asm_elementwise(
+        asm="mov.b32 {$0, $1}, $2;",
+        constraints="=h,=h,r",
+        args=[w],
+        dtype=(gl.bfloat16 if WIDE == 2 else gl.float16,) * 2,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _k_operand(
+    w, BOP: gl.constexpr, E5M2: gl.constexpr, D: gl.constexpr = 128, WIDE: gl.constexpr = 0
+):
+    """Raw K words ``[16 tokens, D / 4]`` (lane ``4g + t``: rows g, g+8; words ``(D / 16) t``
+    on) -> K^T ``[D, 16]`` fp16 as the B operand of the QK MMA (logical head dims, see the
+    module). ``WIDE`` (16-bit caches, 1 fp16, 2 bf16): words ``[16, D / 2]``, each one
+    register of the operand as it is."""
+    if WIDE:
+        o0, o1 = _halves(w, WIDE)
+        x = gl.join(o0, o1)  # [16, D / 2, 2]: d = 2 word + e
+        x = gl.reshape(x, [16, 4, D // 16, 2, 2])  # (tok, t, s, h, e)
+    else:
+        o0, o1, o2, o3 = _k_words_f16(w, E5M2)
+        x = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # [16, D / 4, 2, 2]: d = 4 word + 2j + k
+        x = gl.reshape(x, [16, 4, D // 16, 2, 2])  # (tok, t, s, h, e)
     x = gl.permute(x, [0, 2, 3, 1, 4])  # (tok, s, h, t, e)
-    x = gl.reshape(x, [16, 128])
+    x = gl.reshape(x, [16, D])
     return gl.convert_layout(gl.permute(x, [1, 0]), BOP, assert_trivial=True)
 
 
 @gluon.jit
-def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
-    """Raw V words ``[16 tokens, 32]`` (lane ``4g + t``: rows 2t, 2t+1, 2t+8, 2t+9; words
-    4g..4g+3) -> V^T ``[128, 16]`` fp16 as the A operand of the PV MMA (logical value rows)."""
-    x = gl.reshape(w, [2, 4, 2, 32])  # (hh, t, e, word)
+def _v_operand_wide(w, AOP: gl.constexpr, D: gl.constexpr, WIDE: gl.constexpr):
+    """16-bit caches: V words ``[16 tokens, D / 2]`` (lane ``4g + t``: rows 2t, 2t+1, 2t+8,
+    2t+9; words ``(D / 16) g`` on) -> V^T ``[D, 16]`` as the A operand of the PV MMA: logical
+    row ``16m + 8r + g`` is element ``r`` of word ``(D / 16) g + m`` (stored
+    ``(D / 8) g + 2m + r``), the two tokens of a register from two rows' words."""
+    x = gl.reshape(w, [2, 4, 2, D // 2])  # (hh, t, e, word)
+    x = gl.permute(x, [0, 1, 3, 2])  # (hh, t, word, e)
+    we, wo = gl.split(x)
+    e0, e1 = _halves(we, WIDE)
+    o0, o1 = _halves(wo, WIDE)
+    y = gl.join(gl.join(e0, e1), gl.join(o0, o1))  # (hh, t, word, r, e)
+    y = gl.reshape(y, [2, 4, 8, D // 16, 2, 2])  # (hh, t, g, m, r, e)
+    y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
+    y = gl.reshape(y, [D, 16])
+    return gl.convert_layout(y, AOP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr, D: gl.constexpr = 128):
+    """Raw V words ``[16 tokens, D / 4]`` (lane ``4g + t``: rows 2t, 2t+1, 2t+8, 2t+9; words
+    ``(D / 32) g`` on) -> V^T ``[D, 16]`` fp16 as the A operand of the PV MMA (logical value
+    rows)."""
+    x = gl.reshape(w, [2, 4, 2, D // 4])  # (hh, t, e, word)
     x = gl.permute(x, [0, 1, 3, 2])  # (hh, t, word, e)
     we, wo = gl.split(x)
     y0, y1, y2, y3, y4, y5, y6, y7 = _v_pairs_f16(we, wo, E5M2)  # y[2b + e]
@@ -147,9 +245,9 @@ def _v_operand(w, AOP: gl.constexpr, E5M2: gl.constexpr):
         gl.join(gl.join(y0, y4), gl.join(y2, y6)), gl.join(gl.join(y1, y5), gl.join(y3, y7))
     )
     # [hh, t, word, bh, r, e]: y index 2b + e, b = 2 bh + r
-    y = gl.reshape(y, [2, 4, 8, 4, 2, 2, 2])  # (hh, t, g, jw, bh, r, e)
+    y = gl.reshape(y, [2, 4, 8, D // 32, 2, 2, 2])  # (hh, t, g, jw, bh, r, e)
     y = gl.permute(y, [3, 4, 5, 2, 0, 1, 6])  # (jw, bh, r, g, hh, t, e)
-    y = gl.reshape(y, [128, 16])
+    y = gl.reshape(y, [D, 16])
     return gl.convert_layout(y, AOP, assert_trivial=True)
 
 
@@ -200,7 +298,7 @@ def _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP: gl.conste
 @gluon.jit
 def _fold_sinks(acc, l8, m8, SINKS, heads, hmask):
     """Attention sinks (one logit per query head, natural-log units) folded into the final
-    ``acc`` ``[D, 8 heads]`` and its row sums ``l8`` (``m8``: the running max, log2 units)."""
+    ``acc`` ``[D, NH heads]`` and its row sums ``l8`` (``m8``: the running max, log2 units)."""
     sink = gl.load(SINKS + heads, mask=hmask, other=0.0).to(gl.float32) * 1.4426950408889634
     m_s = gl.maximum(m8, sink)
     l8 = l8 * gl.exp2(m8 - m_s) + gl.exp2(sink - m_s)
@@ -210,7 +308,7 @@ def _fold_sinks(acc, l8, m8, SINKS, heads, hmask):
 
 @gluon.jit
 def _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh):
-    """The output rows of a one-split program: ``o`` ``[D, 8 heads]`` fp32 (value dims in the
+    """The output rows of a one-split program: ``o`` ``[D, NH heads]`` fp32 (value dims in the
     kernel's order, stored at ``dv``), heads past the group masked."""
     gl.store(
         OUT + b * stride_ob + heads[None, :] * stride_oh + dv[:, None],
@@ -324,6 +422,17 @@ def _first8(x):
 
 
 @gluon.jit
+def _per_head(x, NH: gl.constexpr):
+    """A per-row vector ``x [16]`` of the accumulator layout as the per-head (column) vector of
+    the PV accumulator ``[D, NH]``: rows 0..7 (NH 8) or all 16 (one shuffle either way)."""
+    if NH == 8:
+        y = gl.convert_layout(_first8(x), gl.SliceLayout(0, MMA))
+    else:
+        y = gl.convert_layout(x, gl.SliceLayout(0, MMA))
+    return y
+
+
+@gluon.jit
 def _issue(ks, vs, stage, k_addr, v_addr):
     """cp.async of one tile's K and V words into ring stage ``stage`` (one commit group)."""
     async_copy.async_copy_global_to_shared(ks.index(stage), k_addr)
@@ -368,62 +477,63 @@ def decode_kernel(
     PAGED: gl.constexpr = False,
     RESCALE: gl.constexpr = -1.0,
     HEAD_FAST: gl.constexpr = False,
+    D: gl.constexpr = 128,
+    WIDE: gl.constexpr = 0,
 ):
     BN: gl.constexpr = 16
-    D: gl.constexpr = 128
+    # head_dim D (64, 128, 256); the PV dot's N side: 8 heads, or 16 for groups of 9..16
+    gl.static_assert(_geometry_ok(D, G), "D 64, 128 or 256; G 1..16")
+    NH: gl.constexpr = 8 if G <= 8 else 16
     # (the planner gives every Gluon plan a ring or register prefetch)
     gl.static_assert(STAGES > 0 or PREFETCH, "STAGES > 0 or PREFETCH")
     # (MMA, QOP, KOP, VOP, POP: the module's shared mma.sync layouts)
-    KL: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
-    )
-    # V words [16 tokens, 32]: 4 contiguous words per register group (128-bit loads), then the
-    # odd token of the pair, then the token 8 rows down; lane 4g + t -> tokens 2t, words 4g
-    VL: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
-        warp_bases=[],
-        block_bases=[],
-        shape=[16, 32],
-    )
+    # 16-bit caches (WIDE 1 fp16, 2 bf16): operands as stored, rows of D / 2 words, no scales
+    CDT: gl.constexpr = _operand_dtype(WIDE)
+    NW: gl.constexpr = D // 2 if WIDE else D // 4  # 32-bit words of a head's row
+    KL: gl.constexpr = _k_words_layout(NW)
+    VL: gl.constexpr = _v_words_layout(NW)
 
     page_mask = (1 << page_shift) - 1
     b, hk, split, lo, start, end = _program(SEQ, window, num_splits, HEAD_FAST, HAS_WINDOW, BN)
-    qk_scale = sm_scale * gl.load(KSC)
+    if WIDE:
+        qk_scale = sm_scale
+    else:
+        qk_scale = sm_scale * gl.load(KSC)
 
     # q (A operand, logical head dims): rows >= G are zero; bounded by the runtime ``group``
     # (= G), which the compiler cannot fold: with the constant, ptxas re-creates q's zero
     # registers before every MMA
     qr = gl.arange(0, 16, layout=gl.SliceLayout(1, QOP))
     qc = gl.arange(0, D, layout=gl.SliceLayout(0, QOP))
-    phys = 32 * ((qc // 2) % 4) + 4 * (qc // 16) + 2 * ((qc // 8) % 2) + qc % 2
+    phys = (D // 4) * ((qc // 2) % 4) + 4 * (qc // 16) + 2 * ((qc // 8) % 2) + qc % 2
     q = gl.load(
         Q + b * stride_qb + (hk * G + qr)[:, None] * stride_qh + phys[None, :],
         mask=(qr < group)[:, None],
         other=0.0,
-    ).to(gl.float16)
+    ).to(CDT)
 
     kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
-    kc = gl.arange(0, 32, layout=gl.SliceLayout(0, KL))
+    kc = gl.arange(0, NW, layout=gl.SliceLayout(0, KL))
     vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
-    vc = gl.arange(0, 32, layout=gl.SliceLayout(0, VL))
+    vc = gl.arange(0, NW, layout=gl.SliceLayout(0, VL))
     sc = gl.arange(0, BN, layout=gl.SliceLayout(0, MMA))
-    kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
-    vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (D // 4)
+    kw_ptr = K.to(gl.pointer_type(gl.int32), bitcast=True) + hk * NW
+    vw_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * NW
     pt_row = PT + b.to(gl.int64) * stride_pt
-    srk = stride_kr // 4
-    srv = stride_vr // 4
+    # (row strides in elements of the cache: bytes, or 16-bit values)
+    srk = stride_kr // (2 if WIDE else 4)
+    srv = stride_vr // (2 if WIDE else 4)
 
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
-    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+    acc = gl.zeros([D, NH], gl.float32, layout=MMA)
 
     if STAGES > 0:
         # ring of STAGES tiles in shared memory filled by cp.async; the page ids of the tile
         # issued next are loaded one iteration earlier (registers), so no issue waits on them
-        SW: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-        ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
-        vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, 32], SW)
+        SW: gl.constexpr = _ring_layout(NW)
+        ks = gl.allocate_shared_memory(gl.int32, [STAGES, BN, NW], SW)
+        vs = gl.allocate_shared_memory(gl.int32, [STAGES, BN, NW], SW)
         for j in gl.static_range(STAGES - 1):
             sj = gl.maximum(gl.minimum(start + j * BN, end - 1), 0)
             k0, rk, v0, rv = _kv_rows(
@@ -477,7 +587,7 @@ def decode_kernel(
             kw_n = gl.load(_addr(kw_ptr, srk, k0, rk, kc, PAGED))
             vw_n = gl.load(_addr(vw_ptr, srv, v0, rv, vc, PAGED))
 
-        kt = _k_operand(kw, KOP, E5M2)
+        kt = _k_operand(kw, KOP, E5M2, D, WIDE)
         sacc = mma_v2(q, kt, gl.zeros([16, BN], gl.float32, layout=MMA))
         sacc = _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP, HAS_WINDOW)
         m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
@@ -489,7 +599,7 @@ def decode_kernel(
                 alpha = gl.exp2(m_i - m_new)
                 l_i = l_i * alpha
                 m_i = m_new
-                acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
+                acc = acc * _per_head(alpha, NH)[None, :]
             p = gl.exp2(sacc - m_i[:, None])
             l_i = l_i + gl.sum(p, axis=1)
         else:
@@ -497,20 +607,27 @@ def decode_kernel(
             p = gl.exp2(sacc - m_new[:, None])
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            acc = acc * gl.convert_layout(_first8(alpha), gl.SliceLayout(0, MMA))[None, :]
-        # P^T: rows 0..7 of p, as the B operand of the PV dot
-        p8 = _rows0to7(p.to(gl.float16), BN)
+            acc = acc * _per_head(alpha, NH)[None, :]
+        # P^T: rows 0..7 of p (a group of 16: all rows), as the B operand of the PV dot
+        if NH == 8:
+            p8 = _rows0to7(p.to(CDT), BN)
+        else:
+            p8 = p.to(CDT)
         pt = gl.convert_layout(gl.permute(p8, [1, 0]), POP, assert_trivial=True)
-        acc = mma_v2(_v_operand(vw, VOP, E5M2), pt, acc)
+        if WIDE:
+            vt = _v_operand_wide(vw, VOP, D, WIDE)
+        else:
+            vt = _v_operand(vw, VOP, E5M2, D)
+        acc = mma_v2(vt, pt, acc)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 4jw + 2bh + r,
     # m = 2jw + bh
-    l8 = gl.convert_layout(_first8(l_i), gl.SliceLayout(0, MMA))
-    m8 = gl.convert_layout(_first8(m_i), gl.SliceLayout(0, MMA))
+    l8 = _per_head(l_i, NH)
+    m8 = _per_head(m_i, NH)
     orow = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    ocol = gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
     mm = orow // 16
-    dv = 16 * (orow % 8) + 4 * (mm // 2) + 2 * (mm % 2) + (orow // 8) % 2
+    dv = (D // 8) * (orow % 8) + 4 * (mm // 2) + 2 * (mm % 2) + (orow // 8) % 2
     hmask = ocol < G
     l_safe = gl.where(l8 > 0, l8, 1.0)
     heads = hk * G + ocol
@@ -518,7 +635,10 @@ def decode_kernel(
         if HAS_SINKS:
             acc, l8 = _fold_sinks(acc, l8, m8, SINKS, heads, hmask)
             l_safe = gl.where(l8 > 0, l8, 1.0)
-        o = acc * (gl.load(VSC) / l_safe)[None, :]
+        if WIDE:
+            o = acc / l_safe[None, :]
+        else:
+            o = acc * (gl.load(VSC) / l_safe)[None, :]
         _store_out(OUT, o, b, heads, hmask, dv, stride_ob, stride_oh)
     else:
         o = acc / l_safe[None, :]

@@ -5,7 +5,13 @@ tensor-core fragments.
 ``gluon=True`` on FP4 caches; the same device and geometry limits as the fp8 kernel in
 ``decode_gluon.py``, whose design this follows: one warp per (request, KV head, split), 16-token
 tiles, ``mma.sync.m16n8k16`` with fp16 operands, head dims and value dims permuted so that every
-layout conversion is free, P^T taken from S's accumulator).
+layout conversion is free, P^T taken from S's accumulator). Head_dim ``D`` 64, 128 or 256 and
+groups up to 16 as in the fp8 kernel: a K row of ``D / 16`` blocks (``D / 64`` per lane), a
+V row of ``D / 128`` blocks per lane; at head_dim 64 a lane holds half a V block (a 32-bit
+word per token, ``_v_block_asm(dec, words=1)``, its block's scale read by two lanes; the ring
+reads V's words as ``[16, 8]`` int32 and relabels them) and the ring's TMA boxes are 16 x 32
+bytes, unswizzled; at 256 they are 16 x 128 bytes with the 128-byte swizzle (register prefetch
+would spill there). Head_dim 128 with groups <= 8: PTX unchanged.
 
 What differs for FP4 (the cache row of one head: 64 bytes of E2M1 nibbles, element ``2i`` in the
 low nibble of byte ``i``, and 8 bytes of e4m3 block scales, one per 16 values):
@@ -68,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .decode_gluon import (
+    _MMA_LAYOUT,
     KOP,
     MMA,
     POP,
@@ -75,6 +82,7 @@ from .decode_gluon import (
     VOP,
     _addr,
     _fold_sinks,
+    _geometry_ok,
     _log2_scores,
     _program,
     _rows0to7,
@@ -83,129 +91,9 @@ from .decode_gluon import (
     _tile_row0,
     _tile_rows,
 )
+from .decode_gluon_fp4_ptx import _k_block_asm, _v_block_asm
 
-# --- inline PTX, built once at import ------------------------------------------------------
-
-
-def _bits_pair(x: str, out: str, bf16: bool = False) -> str:
-    """PTX: fp16 pair (nibble at bits 12-15, nibble at 28-31 of ``x``) * 2^-14 into ``out``;
-    ``bf16``: the bf16 pair * 2^-126 (magnitude to bits 6-8: E2M1's subnormal 0.5 lands on
-    bf16's subnormal 2^-127)."""
-    sh, mask = (6, "0x01C001C0") if bf16 else (3, "0x0E000E00")
-    return (
-        f"shr.b32 t, {x}, {sh}; and.b32 t, t, {mask}; "
-        f"and.b32 {out}, {x}, 0x80008000; or.b32 {out}, {out}, t; "
-    )
-
-
-def _mx_scale(e: str, a: str, b: str) -> str:
-    """PTX: bf16 bits of ``2^min(E - 1, 127)`` into ``a`` and ``2^max(E - 128, 0)`` into ``b``
-    for the fp4_mx_block16 exponent byte ``e`` (``2^(E - 127)`` over the decode's 2^-126 in two
-    exact factors: one would overflow bf16 for E > 128); bytes above 252 (never written) as
-    252. ``e`` must be zero-extended (the kernel widens the uint8 scale bytes to int32)."""
-    return (
-        f"min.u32 {a}, {e}, 252; max.u32 {b}, {a}, 128; add.u32 {a}, {a}, 126; "
-        f"min.u32 {a}, {a}, 254; shl.b32 {a}, {a}, 7; sub.u32 {b}, {b}, 1; shl.b32 {b}, {b}, 7; "
-    )
-
-
-def _scaled(f: str, dec: int) -> str:
-    """PTX: ``f`` times the block scale (``sc``; mx: ``sc`` then ``sc2``, exact)."""
-    if dec == 2:
-        return f"fma.rn.bf16x2 {f}, {f}, sc, nz; fma.rn.bf16x2 {f}, {f}, sc2, nz; "
-    return f"mul.rn.f16x2 {f}, {f}, sc; "
-
-
-def _e4m3_word(w: str) -> str:
-    """PTX: the 8 nibbles of ``w`` as e4m3 bytes (low nibbles -> ``lo``, high -> ``hi``)."""
-    return (
-        f"and.b32 t, {w}, 0x08080808; shl.b32 lo, t, 4; and.b32 t, {w}, 0x07070707; "
-        f"shl.b32 t, t, 2; or.b32 lo, lo, t; and.b32 hi, {w}, 0x80808080; "
-        f"shr.u32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; or.b32 hi, hi, t; "
-        "mov.b32 {l0, l1}, lo; mov.b32 {h0, h1}, hi; "
-    )
-
-
-def _k_block_asm(dec: int) -> str:
-    """One K block (int64 ``$16``, scale byte ``$17``) -> 16 fp16 ``$0..$15``: pair ``p`` (8 per
-    block, 4 per word) in ``$2p, $2p+1``. ``dec`` 0: pair ``p`` of word ``p // 4`` holds nibbles
-    ``(p % 4, p % 4 + 4)``; 1: nibbles ``(a, a + 2)``, ``a = (0, 4, 1, 5)[p % 4]``; 2
-    (fp4_mx_block16): as 0, in bf16, exact values ``E2M1 * 2^(E - 127)``."""
-    head = (
-        "{ .reg .b32 w0, w1, t, x, sd, sc, sc2, nz, lo, hi, f0, f1, f2, f3; "
-        ".reg .b16 sl, sh, l0, l1, h0, h1; mov.b64 {w0, w1}, $16; "
-    )
-    if dec == 2:
-        head += _mx_scale("$17", "sd", "t") + (
-            "prmt.b32 sc, sd, sd, 0x1010; prmt.b32 sc2, t, t, 0x1010; mov.b32 nz, 0x80008000; "
-        )
-    else:
-        head += "prmt.b32 sd, $17, 0, 0; mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
-    body = ""
-    for j, w in enumerate(("w0", "w1")):
-        if dec in (0, 2):
-            for p in range(4):
-                o = 4 * j + p
-                src = w if p == 3 else "x"
-                if p < 3:
-                    body += f"shl.b32 x, {w}, {12 - 4 * p}; "
-                body += _bits_pair(src, "f0", dec == 2) + _scaled("f0", dec)
-                body += f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, f0; "
-        else:
-            body += _e4m3_word(w)
-            body += (
-                "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
-                "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
-            )
-            for p, f in enumerate(("f0", "f1", "f2", "f3")):
-                o = 4 * j + p
-                body += _scaled(f, dec) + f"mov.b32 {{${2 * o}, ${2 * o + 1}}}, {f}; "
-    return head + body + "}"
-
-
-def _v_block_asm(dec: int) -> str:
-    """One V block of two token rows (int64 ``$32``, ``$33``; scale bytes ``$34``, ``$35``) ->
-    32 fp16 (``dec`` 2: bf16): value dim ``c`` of the block (``8 word + nibble``) as
-    ``($2c, $2c+1)`` = (even row, odd row)."""
-    head = (
-        "{ .reg .b32 e0, e1, o0, o1, t, x, y, p, sd, sc, sc2, nz, lo, hi, f0, f1, f2, f3; "
-        ".reg .b16 sl, sh, l0, l1, h0, h1; "
-        "mov.b64 {e0, e1}, $32; mov.b64 {o0, o1}, $33; "
-    )
-    if dec == 2:  # (even row's factor in the low half)
-        head += (
-            _mx_scale("$34", "sd", "t")
-            + _mx_scale("$35", "x", "y")
-            + ("prmt.b32 sc, sd, x, 0x5410; prmt.b32 sc2, t, y, 0x5410; mov.b32 nz, 0x80008000; ")
-        )
-    else:
-        head += "prmt.b32 sd, $34, $35, 0x0040; mov.b32 {sl, sh}, sd; cvt.rn.f16x2.e4m3x2 sc, sl; "
-    body = ""
-    for j, (we, wo) in enumerate((("e0", "o0"), ("e1", "o1"))):
-        if dec in (0, 2):
-            # x: bytes (we.b0, we.b1, wo.b0, wo.b1) -> nibbles 3, 2, 1, 0 by shifts 0, 4, 8, 12;
-            # y: the same for bytes 2, 3 -> nibbles 7, 6, 5, 4
-            body += f"prmt.b32 x, {we}, {wo}, 0x5410; prmt.b32 y, {we}, {wo}, 0x7632; "
-            for n in range(8):
-                src, sh = ("x", 12 - 4 * n) if n < 4 else ("y", 12 - 4 * (n - 4))
-                c = 8 * j + n
-                if sh:
-                    body += f"shl.b32 p, {src}, {sh}; "
-                body += _bits_pair("p" if sh else src, "f0", dec == 2) + _scaled("f0", dec)
-                body += f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, f0; "
-        else:
-            for half, sel in ((0, "0x5140"), (1, "0x7362")):
-                body += f"prmt.b32 p, {we}, {wo}, {sel}; " + _e4m3_word("p")
-                body += (
-                    "cvt.rn.f16x2.e4m3x2 f0, l0; cvt.rn.f16x2.e4m3x2 f1, l1; "
-                    "cvt.rn.f16x2.e4m3x2 f2, h0; cvt.rn.f16x2.e4m3x2 f3, h1; "
-                )
-                # l0: nibble 0 of byte pair (dim 4 half + 0), h0: 1, l1: 2, h1: 3
-                for n, f in enumerate(("f0", "f2", "f1", "f3")):
-                    c = 8 * j + 4 * half + n
-                    body += _scaled(f, dec) + f"mov.b32 {{${2 * c}, ${2 * c + 1}}}, {f}; "
-    return head + body + "}"
-
+# --- inline PTX, built once at import (decode_gluon_fp4_ptx.py) -------------------------
 
 # (jit code reads module globals only as constexpr)
 _K_ASM0 = gl.constexpr(_k_block_asm(0))
@@ -216,6 +104,125 @@ _K_ASM2 = gl.constexpr(_k_block_asm(2))
 _V_ASM2 = gl.constexpr(_v_block_asm(2))
 _K_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["l", "r"]))
 _V_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 32 + ["l", "l", "r", "r"]))
+_VH_ASM0 = gl.constexpr(_v_block_asm(0, 1))
+_VH_ASM1 = gl.constexpr(_v_block_asm(1, 1))
+_VH_ASM2 = gl.constexpr(_v_block_asm(2, 1))
+_VH_CONSTRAINTS = gl.constexpr(",".join(["=h"] * 16 + ["r", "r", "r", "r"]))
+
+
+@triton.constexpr_function
+def _fp4_k_layout(d):
+    """K blocks ``[16 tokens, d / 16]`` (int64; also their scale bytes): lane ``4g + t`` ->
+    tokens g, g + 8; blocks ``(d / 64) t`` on (head_dim 128: 2t, 2t + 1)."""
+    return gl.BlockedLayout(
+        size_per_thread=[1, d // 64], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
+    )
+
+
+@triton.constexpr_function
+def _fp4_v_layout(d):
+    """V data of one 16-token tile: head_dim >= 128, blocks ``[16 tokens, d / 16]`` int64 (and
+    their scale bytes), lane ``4g + t`` -> tokens 2t, 2t + 1, 2t + 8, 2t + 9 and blocks
+    ``(d / 128) g`` on; head_dim 64, 32-bit words ``[16 tokens, 4 blocks, 2 halves]`` with
+    lane ``4g + t`` on half ``g % 2`` of block ``g // 2`` (its scales: SliceLayout 2)."""
+    if d == 64:
+        return gl.DistributedLinearLayout(
+            reg_bases=[[1, 0, 0], [8, 0, 0]],
+            lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 1], [0, 1, 0], [0, 2, 0]],
+            warp_bases=[],
+            block_bases=[],
+            shape=[16, 4, 2],
+        )
+    b = d // 128
+    regs = [[0, 1 << i] for i in range(b.bit_length() - 1)] + [[1, 0], [8, 0]]
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[2, 0], [4, 0], [0, b], [0, 2 * b], [0, 4 * b]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, d // 16],
+    )
+
+
+@triton.constexpr_function
+def _fp4_v_rowcol_layout(d):
+    """The 2-D layout V's row and block indices slice: ``_fp4_v_layout`` (head_dim 64: its
+    scale slice, SliceLayout 2)."""
+    if d == 64:
+        return gl.SliceLayout(2, _fp4_v_layout(64))
+    return _fp4_v_layout(d)
+
+
+@triton.constexpr_function
+def _fp4_v64_words_layout():
+    """head_dim 64: a V tile's words ``[16 tokens, 8]`` read from the ring, lane ``4g + t`` ->
+    tokens 2t, 2t + 1, 2t + 8, 2t + 9, word g (reshaped to ``_fp4_v_layout(64)``: a
+    relabeling)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0]],
+        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[16, 8],
+    )
+
+
+@triton.constexpr_function
+def _fp4_tma_swizzle(d):
+    """TMA swizzle (bytes) of a ring's ``16 x d / 2``-byte data boxes (``_fp4_row_swizzle``)."""
+    return d // 2 if d >= 128 else 0
+
+
+@triton.constexpr_function
+def _fp4_v64(which, d):
+    """Whether a ring read is head_dim 64's V (``which`` 1): words, not blocks."""
+    return which == 1 and d == 64
+
+
+@triton.constexpr_function
+def _fp4_v64_swizzle():
+    """head_dim 64: ``_fp4_row_swizzle(64)`` in 32-bit words (none)."""
+    return gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[1, 0])
+
+
+@triton.constexpr_function
+def _fp4_row_swizzle(d):
+    """Ring layout of ``[16, d / 16]`` int64 blocks: TMA's swizzle of ``d / 2``-byte rows (64:
+    16-byte chunk c of row r at ``c ^ (r // 2) % 4``; 128: at ``c ^ r % 8``; 32: none, which
+    Triton's NVMMA layout refuses for 16 x 32-byte boxes: a warp's K reads are 256 contiguous
+    bytes, its V reads 2-way conflicted)."""
+    if d == 64:
+        return gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=1, order=[1, 0])
+    if d == 256:
+        return gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0])
+    return gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
+
+
+@triton.constexpr_function
+def _fp4_scale_copy_layout(d):
+    """Scale rows ``[16, d / 16]`` bytes copied as 4-byte pieces."""
+    return gl.BlockedLayout(
+        size_per_thread=[1, 4],
+        threads_per_warp=[32 // (d // 64), d // 64],
+        warps_per_cta=[1, 1],
+        order=[1, 0],
+    )
+
+
+@triton.constexpr_function
+def _fp4_softmax_layout(nh):
+    """Layout of the scores the softmax runs on: S's rows 0..7 (a group of <= 8; rows 8..15 of
+    the MMA tile are q's zero padding: a relabeling of S's accumulator registers), or all 16
+    rows (the MMA accumulator itself)."""
+    if nh == 16:
+        return _MMA_LAYOUT
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8]],
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[],
+        block_bases=[],
+        shape=[8, 16],
+    )
 
 
 @gluon.jit
@@ -258,7 +265,7 @@ def _tree16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15
 
 
 @gluon.jit
-def _k_operand(x, s, BOP: gl.constexpr, DEC: gl.constexpr):
+def _k_operand(x, s, BOP: gl.constexpr, DEC: gl.constexpr, D: gl.constexpr = 128):
     """K blocks ``[16 tokens, 8 blocks]`` int64 (lane ``4g + t``: tokens g, g+8; blocks 2t, 2t+1)
     and their scale bytes -> K^T ``[128, 16]`` fp16, the B operand of the QK MMA: logical
     ``k = 16s + 8h + 2t + e`` is pair ``p = 2(s % 4) + h`` of block ``2t + s // 4``."""
@@ -274,20 +281,61 @@ def _k_operand(x, s, BOP: gl.constexpr, DEC: gl.constexpr):
         o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
         o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15],
     )  # fmt: skip
-    y = gl.reshape(y, [16, 4, 2, 4, 2, 2])  # (tok, t, i, s % 4, h, e): block 2t + i, p = 2(s%4) + h
+    # (tok, t, i, s % 4, h, e): block (D / 64) t + i, p = 2(s % 4) + h
+    y = gl.reshape(y, [16, 4, D // 64, 4, 2, 2])
     y = gl.permute(y, [0, 2, 3, 4, 1, 5])  # (tok, i, s % 4, h, t, e)
-    y = gl.reshape(y, [16, 128])
+    y = gl.reshape(y, [16, D])
     return gl.convert_layout(gl.permute(y, [1, 0]), BOP, assert_trivial=True)
 
 
 @gluon.jit
-def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr):
+def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr, D: gl.constexpr = 128):
     """V blocks ``[16 tokens, 8 blocks]`` int64 (lane ``4g + t``: tokens 2t, 2t+1, 2t+8, 2t+9;
     block g) and their scale bytes -> V^T ``[128, 16]`` fp16, the A operand of the PV MMA:
     logical row ``16m + 8r + g`` is value dim ``2m + r`` of block g (stored ``16g + 2m + r``)."""
-    x = gl.permute(gl.reshape(x, [2, 4, 2, 8]), [0, 1, 3, 2])  # (hh, t, g, e)
+    if D == 64:
+        y = _v_operand_half(x, s, DEC)
+    else:
+        y = _v_operand_blocks(x, s, DEC, D)
+    return gl.convert_layout(y, AOP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_operand_half(x, s, DEC: gl.constexpr):
+    """head_dim 64: words ``[16 tokens, 4 blocks, 2 halves]`` and their blocks' scale bytes
+    ``[16, 4]`` -> V^T ``[64, 16]``: logical row ``16m + 8r + g`` is nibble ``2m + r`` of half
+    ``g % 2`` of block ``g // 2`` (stored ``8g + 2m + r``)."""
+    s = gl.broadcast(s[:, :, None], x)[0]
+    x = gl.permute(gl.reshape(x, [2, 4, 2, 4, 2]), [0, 1, 3, 4, 2])  # (hh, t, blk, half, e)
     xe, xo = gl.split(x)
-    s = gl.permute(gl.reshape(s, [2, 4, 2, 8]), [0, 1, 3, 2])
+    s = gl.permute(gl.reshape(s, [2, 4, 2, 4, 2]), [0, 1, 3, 4, 2])
+    se, so = gl.split(s)
+    o = gl.inline_asm_elementwise(
+        asm=_VH_ASM0 if DEC == 0 else (_VH_ASM1 if DEC == 1 else _VH_ASM2),
+        constraints=_VH_CONSTRAINTS,
+        args=[xe, xo, se, so],
+        dtype=(gl.bfloat16 if DEC == 2 else gl.float16,) * 16,
+        is_pure=True,
+        pack=1,
+    )
+    # o[2c + e]: value dim c of the half block, token row e of the pair
+    y = gl.join(
+        _tree8(o[0], o[2], o[4], o[6], o[8], o[10], o[12], o[14]),
+        _tree8(o[1], o[3], o[5], o[7], o[9], o[11], o[13], o[15]),
+    )  # (hh, t, blk, half, m, r, e)
+    y = gl.reshape(y, [2, 4, 8, 4, 2, 2])  # (hh, t, g, m, r, e)
+    y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
+    return gl.reshape(y, [64, 16])
+
+
+@gluon.jit
+def _v_operand_blocks(x, s, DEC: gl.constexpr, D: gl.constexpr):
+    """head_dim >= 128: V blocks ``[16 tokens, D / 16]`` and their scale bytes -> V^T
+    ``[D, 16]``: logical row ``16m + 8r + g`` is value dim ``2m + r`` of lane g's
+    ``D / 128`` blocks (stored ``(D / 8) g + 2m + r``)."""
+    x = gl.permute(gl.reshape(x, [2, 4, 2, D // 16]), [0, 1, 3, 2])  # (hh, t, blk, e)
+    xe, xo = gl.split(x)
+    s = gl.permute(gl.reshape(s, [2, 4, 2, D // 16]), [0, 1, 3, 2])
     se, so = gl.split(s)
     o = gl.inline_asm_elementwise(
         asm=_V_ASM0 if DEC == 0 else (_V_ASM1 if DEC == 1 else _V_ASM2),
@@ -308,10 +356,13 @@ def _v_operand(x, s, AOP: gl.constexpr, DEC: gl.constexpr):
             o[17], o[19], o[21], o[23], o[25], o[27], o[29], o[31],
         ),
     )  # fmt: skip
-    y = gl.reshape(y, [2, 4, 8, 8, 2, 2])  # (hh, t, g, m, r, e)
-    y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
-    y = gl.reshape(y, [128, 16])
-    return gl.convert_layout(y, AOP, assert_trivial=True)
+    if D == 128:
+        y = gl.reshape(y, [2, 4, 8, 8, 2, 2])  # (hh, t, g, m, r, e)
+        y = gl.permute(y, [3, 4, 2, 0, 1, 5])  # (m, r, g, hh, t, e)
+    else:  # block 2g + bm, m = 8 bm + m'
+        y = gl.reshape(y, [2, 4, 8, D // 128, 8, 2, 2])  # (hh, t, g, bm, m', r, e)
+        y = gl.permute(y, [3, 4, 5, 2, 0, 1, 6])  # (bm, m', r, g, hh, t, e)
+    return gl.reshape(y, [D, 16])
 
 
 @gluon.jit
@@ -358,26 +409,65 @@ def _load_kv(
     PAGED: gl.constexpr,
     GUARD: gl.constexpr,
     WINDOW: gl.constexpr,
+    VL: gl.constexpr = None,
 ):
-    """``_load_tile`` of K (rows ``kr``, blocks ``kc``) and of V: ``(kx, ks, vx, vs)``."""
+    """``_load_tile`` of K (rows ``kr``, blocks ``kc``) and of V: ``(kx, ks, vx, vs)``; with
+    ``VL`` (head_dim 64) V by :func:`_load_v_half`."""
     kx_ptr, vx_ptr, ks_ptr, vs_ptr = ptrs
     srk, srv, ssk, ssv = strides
     kx, ks = _load_tile(
         kx_ptr, ks_ptr, s, end, pt_row, page_shift, page_mask, srk, ssk, kr, kc, lo, PAGED, GUARD,
         WINDOW,
     )  # fmt: skip
-    vx, vs = _load_tile(
-        vx_ptr, vs_ptr, s, end, pt_row, page_shift, page_mask, srv, ssv, vr, vc, lo, PAGED, GUARD,
-        WINDOW,
-    )  # fmt: skip
+    if VL is None:
+        vx, vs = _load_tile(
+            vx_ptr, vs_ptr, s, end, pt_row, page_shift, page_mask, srv, ssv, vr, vc, lo, PAGED,
+            GUARD, WINDOW,
+        )  # fmt: skip
+    else:
+        vx, vs = _load_v_half(
+            vx_ptr, vs_ptr, s, end, pt_row, page_shift, page_mask, srv, ssv, vr, vc, lo, PAGED,
+            GUARD, WINDOW, VL,
+        )  # fmt: skip
     return kx, ks, vx, vs
 
 
 @gluon.jit
-def _expect(descs, stage, SUB: gl.constexpr, TMA: gl.constexpr):
-    """TMA: arm stage ``stage``'s mbarrier for its SUB tiles' K and V data boxes (1 KiB each)."""
+def _load_v_half(
+    x_ptr,
+    s_ptr,
+    s,
+    end,
+    pt_row,
+    page_shift,
+    page_mask,
+    sr,
+    ssr,
+    r,
+    c,
+    lo,
+    PAGED: gl.constexpr,
+    GUARD: gl.constexpr,
+    WINDOW: gl.constexpr,
+    VL: gl.constexpr,
+):
+    """head_dim 64: V words ``[16 tokens, 4 blocks, 2 halves]`` (int32, ``x_ptr`` and row stride
+    ``sr`` in words) in ``VL`` and the blocks' scale bytes ``[16, 4]`` (as int32, SliceLayout 2
+    of ``VL``; two lanes read each), rows as in :func:`_load_tile`."""
+    row0, rows = _tile_rows(s, end, pt_row, page_shift, page_mask, r, lo, PAGED, GUARD, WINDOW)
+    sb = gl.load(_addr(s_ptr, ssr, row0, rows, c, PAGED))
+    h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, VL)))
+    off = (rows * sr)[:, None, None] + (2 * c)[None, :, None] + h[None, None, :]
+    x = gl.load((x_ptr + row0 * sr) + off)
+    return x, sb.to(gl.int32)
+
+
+@gluon.jit
+def _expect(descs, stage, SUB: gl.constexpr, TMA: gl.constexpr, D: gl.constexpr = 128):
+    """TMA: arm stage ``stage``'s mbarrier for its SUB tiles' K and V data boxes (``16 x D / 2``
+    bytes each)."""
     if TMA:
-        mbarrier.expect(descs[2].index(stage), SUB * 2 * 16 * 64)
+        mbarrier.expect(descs[2].index(stage), SUB * 2 * 16 * (D // 2))
 
 
 @gluon.jit
@@ -442,14 +532,32 @@ def _issue(
 
 @gluon.jit
 def _smem_tile(
-    bufs, which: gl.constexpr, slot, L: gl.constexpr, SD: gl.constexpr, TMA: gl.constexpr
+    bufs,
+    which: gl.constexpr,
+    slot,
+    L: gl.constexpr,
+    SD: gl.constexpr,
+    TMA: gl.constexpr,
+    D: gl.constexpr = 128,
 ):
     """Blocks (int64) and scale bytes (int32) of ring slot ``slot`` of K (``which`` 0) or V (1)
     in the register layout ``L`` (TMA's byte boxes read as int64 blocks: same swizzle)."""
     x = bufs[which].index(slot)
-    if TMA:
-        x = x._reinterpret(gl.int64, [16, 8], SD)
-    return x.load(L), bufs[2 + which].index(slot).load(L).to(gl.int32)
+    V64: gl.constexpr = _fp4_v64(which, D)
+    if V64:  # (V as words [16, 4 blocks, 2 halves], L 3-D)
+        if TMA:
+            x = x._reinterpret(gl.int32, [16, x.shape[1] // 4], _fp4_v64_swizzle())
+        else:
+            x = x._reinterpret(gl.int32, [16, x.shape[1] * 2], _fp4_v64_swizzle())
+        w = gl.reshape(x.load(_fp4_v64_words_layout()), [16, 4, 2])
+        out = gl.convert_layout(w, L, assert_trivial=True)
+        sc = bufs[3].index(slot).load(gl.SliceLayout(2, L)).to(gl.int32)
+    else:
+        if TMA:
+            x = x._reinterpret(gl.int64, [16, x.shape[1] // 8], SD)
+        out = x.load(L)
+        sc = bufs[2 + which].index(slot).load(L).to(gl.int32)
+    return out, sc
 
 
 @gluon.jit
@@ -473,12 +581,17 @@ def _scores(
     DEC_K: gl.constexpr,
     HAS_SOFTCAP: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    D: gl.constexpr = 128,
+    NH: gl.constexpr = 8,
 ):
-    """Scores of the query group against the 16-token tile at ``s`` in log2 units, ``[8, 16]``
-    fp32 (S's rows 0..7), soft-capped if asked, -inf past the end and before the window."""
+    """Scores of the query group against the 16-token tile at ``s`` in log2 units, ``[NH, 16]``
+    fp32 (S's rows 0..7, or all 16), soft-capped if asked, -inf past the end and before the
+    window."""
     qk_scale, softcap, end, lo = sm
-    sacc = mma_v2(q, _k_operand(kx, ks, KOP, DEC_K), gl.zeros([16, 16], gl.float32, layout=MMA))
-    sacc = gl.convert_layout(_rows0to7(sacc, 16), S8, assert_trivial=True)
+    kt = _k_operand(kx, ks, KOP, DEC_K, D)
+    sacc = mma_v2(q, kt, gl.zeros([16, 16], gl.float32, layout=MMA))
+    if NH == 8:
+        sacc = gl.convert_layout(_rows0to7(sacc, 16), S8, assert_trivial=True)
     return _log2_scores(sacc, s, sc, qk_scale, softcap, end, lo, HAS_SOFTCAP, HAS_WINDOW)
 
 
@@ -497,11 +610,19 @@ def _rescale(m_i, l_i, acc, m_new, RESCALE: gl.constexpr, MMA: gl.constexpr):
 
 @gluon.jit
 def _pv(
-    acc, vx, vs, p, VOP: gl.constexpr, POP: gl.constexpr, CDT: gl.constexpr, DEC_V: gl.constexpr
+    acc,
+    vx,
+    vs,
+    p,
+    VOP: gl.constexpr,
+    POP: gl.constexpr,
+    CDT: gl.constexpr,
+    DEC_V: gl.constexpr,
+    D: gl.constexpr = 128,
 ):
-    """``acc += V^T P^T`` for one 16-token tile (P: ``[8, 16]`` fp32, S8's layout)."""
+    """``acc += V^T P^T`` for one 16-token tile (P: ``[NH, 16]`` fp32, S8's layout)."""
     pt = gl.convert_layout(gl.permute(p.to(CDT), [1, 0]), POP, assert_trivial=True)
-    return mma_v2(_v_operand(vx, vs, VOP, DEC_V), pt, acc)
+    return mma_v2(_v_operand(vx, vs, VOP, DEC_V, D), pt, acc)
 
 
 @gluon.jit(do_not_specialize=["group"])  # (a group of 1 would become a constant)
@@ -550,22 +671,16 @@ def decode_kernel(
     VD=None,
     TMA: gl.constexpr = False,
     SUB: gl.constexpr = 1,
+    D: gl.constexpr = 128,
 ):
     BN: gl.constexpr = 16
-    D: gl.constexpr = 128
+    # head_dim D (64, 128, 256); the PV dot's N side: 8 heads, or 16 for groups of 9..16
+    gl.static_assert(_geometry_ok(D, G), "D 64, 128 or 256; G 1..16")
+    NH: gl.constexpr = 8 if G <= 8 else 16
+    NBK: gl.constexpr = D // 16  # blocks (and scale bytes) of a head's row
     # (MMA, QOP, KOP, VOP, POP: decode_gluon's shared mma.sync layouts)
-    # K blocks [16 tokens, 8 blocks]: lane 4g + t -> tokens g, g + 8; blocks 2t, 2t + 1
-    KL: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1], order=[1, 0]
-    )
-    # V blocks [16 tokens, 8 blocks]: lane 4g + t -> tokens 2t, 2t + 1, 2t + 8, 2t + 9; block g
-    VL: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [8, 0]],
-        lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
-        warp_bases=[],
-        block_bases=[],
-        shape=[16, 8],
-    )
+    KL: gl.constexpr = _fp4_k_layout(D)
+    VL: gl.constexpr = _fp4_v_layout(D)
     # the decode's 2^-14 (DEC 0) or 1/64 (DEC 1), undone with the global scales
     # (DEC 2, fp4_mx_block16: exact values in bf16, no global scale, partials in true units)
     MX: gl.constexpr = DEC_K == 2
@@ -597,7 +712,7 @@ def decode_kernel(
         nib = qp % 4 + 4 * qe
     else:
         nib = 4 * (qp % 2) + (qp % 4) // 2 + 2 * qe
-    phys = 32 * ((qc // 2) % 4) + 16 * (qs // 4) + 8 * (qp // 4) + nib
+    phys = (D // 4) * ((qc // 2) % 4) + 16 * (qs // 4) + 8 * (qp // 4) + nib
     # rows >= G are zero; bounded by the runtime ``group`` (= G), which the compiler cannot fold:
     # with the constant, ptxas re-creates q's zero registers before every MMA (~20 moves a tile)
     q = gl.load(
@@ -606,27 +721,26 @@ def decode_kernel(
         other=0.0,
     ).to(CDT)
 
-    # S's rows 0..7 (the query group, G <= 8; rows 8..15 of the MMA tile are q's zero padding):
-    # the softmax runs on these only (a relabeling of S's accumulator registers)
-    S8: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 8]],
-        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[],
-        block_bases=[],
-        shape=[8, BN],
-    )
+    # the softmax's scores: S's rows 0..7 (G <= 8), or all 16 (``_fp4_softmax_layout``)
+    S8: gl.constexpr = _fp4_softmax_layout(NH)
     sc = gl.arange(0, BN, layout=gl.SliceLayout(0, S8))
-    kx_ptr = K.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
-    vx_ptr = V.to(gl.pointer_type(gl.int64), bitcast=True) + hk * 8
-    ks_ptr = KBS + hk * 8
-    vs_ptr = VBS + hk * 8
+    kx_ptr = K.to(gl.pointer_type(gl.int64), bitcast=True) + hk * NBK
+    if D == 64 and STAGES == 0:  # (V as 32-bit words: half a block per lane)
+        vx_ptr = V.to(gl.pointer_type(gl.int32), bitcast=True) + hk * (2 * NBK)
+    else:
+        vx_ptr = V.to(gl.pointer_type(gl.int64), bitcast=True) + hk * NBK
+    ks_ptr = KBS + hk * NBK
+    vs_ptr = VBS + hk * NBK
     pt_row = PT + b.to(gl.int64) * stride_pt
     srk = stride_kr // 8
-    srv = stride_vr // 8
+    if D == 64 and STAGES == 0:
+        srv = stride_vr // 4
+    else:
+        srv = stride_vr // 8
 
-    m_i = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S8))
-    l_i = gl.zeros([8], gl.float32, layout=gl.SliceLayout(1, S8))
-    acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+    m_i = gl.full([NH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S8))
+    l_i = gl.zeros([NH], gl.float32, layout=gl.SliceLayout(1, S8))
+    acc = gl.zeros([D, NH], gl.float32, layout=MMA)
 
     ptrs = (kx_ptr, vx_ptr, ks_ptr, vs_ptr)
     strides = (srk, srv, stride_ksr, stride_vsr)
@@ -635,46 +749,45 @@ def decode_kernel(
         # ring of STAGES stages of SUB 16-token tiles in shared memory (PAGED only: one page id
         # per tile, loaded one iteration before its tile is issued). TMA: the data rows by TMA
         # boxes (one mbarrier per stage), the scale rows by cp.async; else all by cp.async
-        SD: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=2, max_phase=4, order=[1, 0])
+        SD: gl.constexpr = _fp4_row_swizzle(D)
         SS: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        # copy layouts: K/V blocks as 16-byte pieces (2 per lane, KL), scale rows as 4-byte pieces
-        CS: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 1], order=[1, 0]
-        )
+        # copy layouts: K/V blocks as 16-byte pieces (D / 64 blocks per lane, KL), scale rows as
+        # 4-byte pieces
+        CS: gl.constexpr = _fp4_scale_copy_layout(D)
         NB: gl.constexpr = STAGES * SUB
         descs = None
         if TMA:
             # TMA's 64-byte swizzle is SD's (16-byte chunk c of row r at c ^ (r // 2) % 4)
             TL: gl.constexpr = gl.NVMMASharedLayout(
-                swizzle_byte_width=64, element_bitwidth=8, rank=2
+                swizzle_byte_width=_fp4_tma_swizzle(D), element_bitwidth=8, rank=2
             )
             bufs = (
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 64], TL),
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 64], TL),
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, D // 2], TL),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, D // 2], TL),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, NBK], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, NBK], SS),
             )
             bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             for j in gl.static_range(STAGES):
                 mbarrier.init(bars.index(j), count=1)
             fence_async_shared()
-            descs = (KD, VD, bars, hk * 64)
+            descs = (KD, VD, bars, hk * (D // 2))
         else:
             bufs = (
-                gl.allocate_shared_memory(gl.int64, [NB, BN, 8], SD),
-                gl.allocate_shared_memory(gl.int64, [NB, BN, 8], SD),
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
-                gl.allocate_shared_memory(gl.uint8, [NB, BN, 8], SS),
+                gl.allocate_shared_memory(gl.int64, [NB, BN, NBK], SD),
+                gl.allocate_shared_memory(gl.int64, [NB, BN, NBK], SD),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, NBK], SS),
+                gl.allocate_shared_memory(gl.uint8, [NB, BN, NBK], SS),
             )
         # tiles past the end (the ring's tail, splits without tiles) repeat the last 16-aligned
         # tile, so TMA boxes stay in the request's last page (an empty request: row 0 of page 0)
         last = gl.maximum(end - 1, 0) // BN * BN
         rd = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
-        cd = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
+        cd = gl.arange(0, NBK, layout=gl.SliceLayout(0, KL))
         rs = gl.arange(0, BN, layout=gl.SliceLayout(1, CS))
-        cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS))
+        cs = gl.arange(0, NBK, layout=gl.SliceLayout(0, CS))
         for j in gl.static_range(STAGES - 1):
-            _expect(descs, j, SUB, TMA)
+            _expect(descs, j, SUB, TMA, D)
             for u in gl.static_range(SUB):
                 sj = gl.minimum(start + (j * SUB + u) * BN, last)
                 row0 = _tile_row0(sj, end, pt_row, page_shift, page_mask, True)
@@ -697,7 +810,7 @@ def decode_kernel(
             if TMA:  # (ordinary shared-memory reads of that stage, then async-proxy writes)
                 fence_async_shared()
             fill = (i + STAGES - 1) % STAGES
-            _expect(descs, fill, SUB, TMA)
+            _expect(descs, fill, SUB, TMA, D)
             _issue(
                 bufs, fill * SUB, fill, s_n, end, lo, row_n, ptrs, strides, rd, cd, rs, cs,
                 False, HAS_WINDOW, descs, TMA,
@@ -719,33 +832,36 @@ def decode_kernel(
             if TMA:
                 mbarrier.wait(bars.index(st), (i // STAGES) & 1)
             i += 1
-            kx, ks = _smem_tile(bufs, 0, st * SUB, KL, SD, TMA)
+            kx, ks = _smem_tile(bufs, 0, st * SUB, KL, SD, TMA, D)
             if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
-                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA, D)
                 acc = acc + _checksum(kx, ks, vx, vs)
                 if SUB == 2:
-                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
-                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA, D)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA, D)
                     acc = acc + _checksum(kx, ks, vx, vs)
             else:
-                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW)
+                sa = _scores(
+                    q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH
+                )
                 if SUB == 2:
-                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA)
+                    kx, ks = _smem_tile(bufs, 0, st * SUB + 1, KL, SD, TMA, D)
                     sb = _scores(
-                        q, kx, ks, s + BN, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW
-                    )
+                        q, kx, ks, s + BN, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW,
+                        D, NH,
+                    )  # fmt: skip
                     m_new = gl.maximum(m_i, gl.max(gl.maximum(sa, sb), axis=1))
                 else:
                     m_new = gl.maximum(m_i, gl.max(sa, axis=1))
                 m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
                 pa = _exp2(sa - m_i[:, None])
-                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA)
-                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V)
+                vx, vs = _smem_tile(bufs, 1, st * SUB, VL, SD, TMA, D)
+                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V, D)
                 if SUB == 2:
                     pb = _exp2(sb - m_i[:, None])
                     l_i = l_i + gl.sum(pa + pb, axis=1)
-                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA)
-                    acc = _pv(acc, vx, vs, pb, VOP, POP, CDT, DEC_V)
+                    vx, vs = _smem_tile(bufs, 1, st * SUB + 1, VL, SD, TMA, D)
+                    acc = _pv(acc, vx, vs, pb, VOP, POP, CDT, DEC_V, D)
                 else:
                     l_i = l_i + gl.sum(pa, axis=1)
         # the STAGES - 1 stages issued past the last tile: no copy may land in shared memory
@@ -758,14 +874,17 @@ def decode_kernel(
                 mbarrier.invalidate(bars.index(j))
     else:
         # (a split past the end, or an empty request, reads the last row, or row 0 of page 0)
+        # (head_dim 64: V's rows and blocks from its 3-D layout's scale slice)
+        VR: gl.constexpr = _fp4_v_rowcol_layout(D)
+        VH: gl.constexpr = VL if D == 64 else None
         kr = gl.arange(0, BN, layout=gl.SliceLayout(1, KL))
-        kc = gl.arange(0, 8, layout=gl.SliceLayout(0, KL))
-        vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VL))
-        vc = gl.arange(0, 8, layout=gl.SliceLayout(0, VL))
+        kc = gl.arange(0, NBK, layout=gl.SliceLayout(0, KL))
+        vr = gl.arange(0, BN, layout=gl.SliceLayout(1, VR))
+        vc = gl.arange(0, NBK, layout=gl.SliceLayout(0, VR))
         s0 = gl.maximum(gl.minimum(start, end - 1), 0)
         kx_n, ks_n, vx_n, vs_n = _load_kv(
             ptrs, strides, s0, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED, True,
-            HAS_WINDOW,
+            HAS_WINDOW, VH,
         )  # fmt: skip
         for s in range(start, end, BN):
             kx, ks, vx, vs = kx_n, ks_n, vx_n, vs_n
@@ -773,24 +892,26 @@ def decode_kernel(
             nxt = gl.minimum(s + BN, end - 1)
             kx_n, ks_n, vx_n, vs_n = _load_kv(
                 ptrs, strides, nxt, end, lo, pt_row, page_shift, page_mask, kr, kc, vr, vc, PAGED,
-                False, HAS_WINDOW,
+                False, HAS_WINDOW, VH,
             )  # fmt: skip
             if ABLATE == 1:  # benchmarks only: the loads, no math (the result is wrong)
                 acc = acc + _checksum(kx, ks, vx, vs)
             else:
-                sa = _scores(q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW)
+                sa = _scores(
+                    q, kx, ks, s, sc, sm, MMA, KOP, S8, DEC_K, HAS_SOFTCAP, HAS_WINDOW, D, NH
+                )
                 m_new = gl.maximum(m_i, gl.max(sa, axis=1))
                 m_i, l_i, acc = _rescale(m_i, l_i, acc, m_new, RESCALE, MMA)
                 pa = _exp2(sa - m_i[:, None])
                 l_i = l_i + gl.sum(pa, axis=1)
-                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V)
+                acc = _pv(acc, vx, vs, pa, VOP, POP, CDT, DEC_V, D)
 
     # acc is [value dim (logical), head]: logical 16m + 8r + g -> stored 16g + 2m + r
     l8 = gl.convert_layout(l_i, gl.SliceLayout(0, MMA))
     m8 = gl.convert_layout(m_i, gl.SliceLayout(0, MMA))
     orow = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    ocol = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    dv = 16 * (orow % 8) + 2 * (orow // 16) + (orow // 8) % 2
+    ocol = gl.arange(0, NH, layout=gl.SliceLayout(0, MMA))
+    dv = (D // 8) * (orow % 8) + 2 * (orow // 16) + (orow // 8) % 2
     hmask = ocol < G
     l_safe = gl.where(l8 > 0, l8, 1.0)
     heads = hk * G + ocol

@@ -383,6 +383,7 @@ def _launch_gluon(
         HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=window is not None,
         HAS_SINKS=sinks is not None,
+        D=view.head_dim,
         num_warps=1,
         **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
     )
@@ -406,6 +407,12 @@ def _launch_gluon(
         # (an odd KV head count, e.g. 1 under tensor parallelism, takes register prefetch)
         ring = paged and not plan.prefetch
         ring = ring and all(t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (kbs, vbs))
+        # head_dim 256: the ring only (register prefetch would spill)
+        if view.head_dim == 256 and not ring:
+            raise ValueError(
+                f"`plan.prefetch` = {plan.prefetch}: FP4 caches at head_dim 256 take the Gluon "
+                "kernel's ring (pages of >= 16 tokens, 16-byte aligned scale rows)"
+            )
         hf, ablate, use_tma, _ = variants._GLUON_FP4_OPTIONS
         hf = hf and bsz <= 65535
         # plan.block_n: 16 or 32 tokens per ring stage (register prefetch: 16)
@@ -433,9 +440,12 @@ def _launch_gluon(
     paged, rescale, hf = variants._GLUON_FP8_OPTIONS[view.dtype]
     hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
+    # 16-bit caches (WIDE 1 fp16, 2 bf16): no scales (placeholders)
+    wide = {"fp16": 1, "bf16": 2}.get(view.dtype, 0)
+    ksc, vsc = (out, out) if wide else (view.k_scale, view.v_scale)
     _launch.call(
         calls, decode_kernel, grid,
-        *head, view.k_scale, view.v_scale, *tail, *rest,
+        *head, ksc, vsc, *tail, *rest, WIDE=wide,
         PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
         E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,
         HEAD_FAST=hf, **opts,
@@ -450,12 +460,14 @@ def _has_tma(device: torch.device) -> bool:
 def _tma_desc(t: torch.Tensor):
     """TMA descriptor of an FP4 data buffer for the Gluon decode kernel's ring.
 
-    ``t`` is ``[R, H, 64]`` uint8, described as ``[R, H * 64]`` with 16 x 64 boxes and the
-    64-byte swizzle.
+    ``t`` is ``[R, H, w]`` uint8 (``w`` = head_dim / 2: 32, 64 or 128 bytes), described as
+    ``[R, H * w]`` with 16 x ``w`` boxes and the ``w``-byte swizzle (none for 32).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    w = t.shape[2]
+    sw = w if w >= 64 else 0  # (head_dim 64: unswizzled 32-byte rows, decode_gluon_fp4)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=8, rank=2)
     shape = [t.shape[0], t.shape[1] * t.shape[2]]
-    return TensorDescriptor(t, shape, [t.stride(0), 1], [16, 64], layout)
+    return TensorDescriptor(t, shape, [t.stride(0), 1], [16, w], layout)

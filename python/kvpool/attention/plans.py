@@ -21,7 +21,6 @@ from kvpool.attention.checks import (
 from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
-    _GLUON_CONFIG,
     _GLUON_OVERHEAD,
     _SWAP_DEFAULT,
     GROUP_PAD_MAX,
@@ -78,16 +77,19 @@ class DecodePlan:
     part_out, part_lse : torch.Tensor or None
         fp32 workspaces ``[B, H_q, num_splits, Dv]`` / ``[B, H_q, num_splits]`` (split > 1).
     gluon : bool
-        Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8,
-        ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 128, 16-token tiles into
+        Launch a Gluon kernel (``triton_kernels/decode_gluon.py`` for fp8 and, at head_dim 64,
+        bf16/fp16; ``decode_gluon_fp4.py`` for nvfp4 and fp4_mx_block16; head_dim 64, 128 or
+        256, query groups up to 16 (8 at 256; ``variants._GLUON_GROUPS``), 16-token tiles into
         tensor-core fragments without layout conversions, one warp per program; a ring of
         ``num_stages`` stages in shared memory (fp8: 3 cp.async stages; FP4: 2 stages of
         ``block_n`` / 16 tiles, data by TMA on sm_90+, with page_size >= 16 and 16-byte aligned
-        scale rows; else register prefetch, ``prefetch``) instead of the Triton one; the other
-        kernel options are unused.
+        scale rows, always at head_dim 256; else register prefetch, ``prefetch``) instead of
+        the Triton one; the other kernel options are unused.
     kernel : str
         The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
-        ``"gluon_fp4"`` (the Gluon kernels) or ``"triton_generic"`` (``decode.decode_kernel``).
+        ``"gluon_fp4"`` (the Gluon kernels at head_dim 128 with a group of <= 8), the same with
+        ``"_hd64"`` / ``"_hd256"`` and ``"_g16"`` (groups of 9..16) appended, ``"gluon_bf16_hd64"``
+        / ``"gluon_fp16_hd64"``, or ``"triton_generic"`` (``decode.decode_kernel``).
     """
 
     page_table: torch.Tensor
@@ -129,13 +131,25 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
     ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles.
     """
     b, dev = page_table.shape[0], view.k.device
-    stages, per_sm, maxnreg = _GLUON_CONFIG[view.dtype]
+    stages, per_sm, maxnreg = variants._gluon_config(view.dtype)
+    group = num_q_heads // view.num_kv_heads
+    base = variants._gluon_base(view, group)
+    if not base:
+        # other head_dims and groups of 9..16 (their own registers; FP4: two 16-token tiles a
+        # ring stage)
+        per_sm = variants._gluon_programs_per_sm(view, group)
     given = num_splits
     if num_splits is None:
         num_splits = default_splits(b, view.num_kv_heads, ctx, dev, 16, 1, per_sm, _GLUON_OVERHEAD)
     num_splits = _check_knob("num_splits", num_splits, 1, MAX_SPLITS)
     block_n = 16
-    if view.dtype in _FP4 and variants._GLUON_FP4_OPTIONS[3] == 2:
+    if not base:
+        block_n = 32 if view.dtype in _FP4 and stages > 0 else 16
+        if block_n == 32 and given is None:
+            num_splits = default_splits(
+                b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
+            )
+    elif view.dtype in _FP4 and variants._GLUON_FP4_OPTIONS[3] == 2:
         # two 16-token tiles per ring stage (nvfp4 140 registers: 14 programs per SM instead of
         # 16), except where only one tile a stage keeps the grid in one wave (run 9, call 4:
         # 256 splits at B=1/32k, 2,048 programs, 31.6 us vs 35.3; two tiles faster at every
@@ -168,7 +182,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
-        kernel="gluon_fp4" if view.dtype in _FP4 else "gluon_fp8",
+        kernel=variants._gluon_kernel_name(view, group),
     )
 
 
@@ -245,19 +259,24 @@ def plan_decode(
     ablate : int
         Benchmarks only (see :class:`DecodePlan`).
     gluon : bool, optional
-        Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, CUDA compute
-        capability 8.9+ NVIDIA, head_dim 128, query group <= 8, 16-byte aligned K/V rows, a
-        Triton in ``GLUON_TRITON``; see ``_gluon_unfit``), no Triton knob above is given, and
-        for fp8 the batch has more than 16 programs per split (B x KV heads) and the longest
-        request is at least 2,048 tokens (at B=1 and at 1k tokens the Triton kernel is as fast
-        or faster; the FP4 Gluon kernel is faster at every batch, run 8 calls 11 and 14).
+        Use the Gluon kernel. Default: where it can run (fp8 or FP4 caches, bf16/fp16 at
+        head_dim 64, CUDA compute capability 8.9+ NVIDIA, head_dim 64, 128 or 256, query group
+        <= 16 (<= 8 at 256), 16-byte aligned K/V rows, a Triton in ``GLUON_TRITON``,
+        ``KVPOOL_GLUON_WIDE`` not 0 off head_dim 128 with groups <= 8; see ``_gluon_unfit``), no
+        Triton knob above is given, and for fp8 and 16-bit caches the batch has more than 16
+        programs per split (B x KV heads) and the longest request is at least 2,048 tokens
+        (at B=1 and at 1k tokens the Triton kernel is as fast or faster; the FP4 Gluon kernel
+        is faster at every batch, run 8 calls 11 and 14).
         Run 7 on the H200 (``benches/attention/results/run7_h200/gluon_ring/stdout.txt``, one
         run): e4m3 B=64/8k 0.276-0.278 ms vs 0.327 for the Triton kernel (1.74-1.75x SDPA on
         contiguous bf16 instead of 1.48x). Run 8 (``results/run8_h200/NOTES.md``): e4m3
         0.266-0.272 ms (1.81x), e5m2 0.274 ms (1.80x, ring); nvfp4 B=64/8k 0.243-0.245 ms vs
         0.421-0.425 (1.96-2.01x SDPA instead of 1.15x). Run 9 (``results/run9_h200``, TMA
         tiles, two tiles a ring stage): nvfp4 0.216-0.217 ms (2.24-2.28x), fp4_mx_block16
-        0.270 (1.80x). True where it cannot run raises ValueError naming why.
+        0.270 (1.80x). True where it cannot run raises ValueError naming why; False runs the
+        Triton kernel (a side-by-side comparison: ``bench_gluon_geometries.py``). Head_dim
+        64 / 256 and groups of 9..16 (issue 17) are compiled and checked for sm_90 on the CPU
+        (``tests/test_gluon_compile.py``), not yet measured on a GPU.
 
     Returns
     -------

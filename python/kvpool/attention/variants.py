@@ -7,6 +7,7 @@ measured per-dtype variant tables, and tile limits.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -36,40 +37,119 @@ def _asm_ok(view: LayerView) -> bool:
 GLUON_TRITON = ((3, 6),)
 
 
+#: Largest query group the Gluon decode kernels run at each head_dim (K and V alike), as
+#: compiled for sm_90 with Triton 3.6 (``tests/test_gluon_compile.py`` checks registers <= 255
+#: without spills and shared memory): head_dim 256 with a group of 9..16 needs 255 registers
+#: and spills (136-248 bytes a thread) for e5m2 and FP4, so those layers take the Triton
+#: kernel; no bundled model has one (Qwen3.5 and gemma-2: groups 2..8).
+_GLUON_GROUPS = {64: 16, 128: 16, 256: 8}
+
+#: Environment switch: ``KVPOOL_GLUON_WIDE=0`` sends every layer but head_dim 128 with a group
+#: of <= 8 (the measured Gluon path) to the Triton kernel, for side-by-side runs; per plan,
+#: ``plan_decode(..., gluon=False)`` does the same for one layer.
+GLUON_WIDE_ENV = "KVPOOL_GLUON_WIDE"
+
+
+def _gluon_base(view: LayerView, group: int) -> bool:
+    """Whether ``view`` is the Gluon kernels' measured geometry (head_dim 128, group <= 8).
+
+    Its tuned parameters (``_GLUON_CONFIG``) stay as they are.
+    """
+    return view.head_dim == 128 and group <= 8
+
+
+def _gluon_kernel_name(view: LayerView, group: int) -> str:
+    """``plan.kernel`` of a Gluon plan.
+
+    ``gluon_fp8`` / ``gluon_fp4`` at head_dim 128 with a group of <= 8, else with ``_hd64`` /
+    ``_hd256`` and ``_g16`` (groups of 9..16: 16-wide PV dots) appended.
+    """
+    if view.dtype in _GLUON_16BIT:
+        name = f"gluon_{view.dtype}"
+    else:
+        name = "gluon_fp4" if view.dtype in _FP4 else "gluon_fp8"
+    if view.head_dim != 128:
+        name += f"_hd{view.head_dim}"
+    return name + ("_g16" if group > 8 else "")
+
+
+def _gluon_programs_per_sm(view: LayerView, group: int) -> int:
+    """Programs per multiprocessor in the split model of a Gluon plan.
+
+    ``_GLUON_CONFIG``'s at the measured geometry; elsewhere what the registers of the
+    slowest-fitting dtype allow (65,536 per SM, 8-register steps; sm_90 Triton 3.6 builds,
+    ``tests/test_gluon_compile.py``): head_dim 64 85-127 registers, capped at 16 as run 7's fp8
+    model; head_dim 128 with 16-wide dots 168-202: 9; head_dim 256 207-236: 8. Not measured
+    on a GPU yet.
+    """
+    if _gluon_base(view, group):
+        return _GLUON_CONFIG[view.dtype][1]
+    return _GLUON_PER_SM[view.head_dim]
+
+
+def _gluon_config(dtype: str) -> tuple:
+    """``(ring stages, programs per SM, register cap)`` of the Gluon kernel for ``dtype``."""
+    return _GLUON_16BIT[dtype] if dtype in _GLUON_16BIT else _GLUON_CONFIG[dtype]
+
+
+_GLUON_PER_SM = {64: 16, 128: 9, 256: 8}
+
+
 def _gluon_unfit(view: LayerView, group: int) -> str | None:
     """Why the Gluon decode kernel cannot run ``view`` (a phrase), or None when it can.
 
-    It needs fp8 or FP4 caches, K and V head_dim 128, a query group of 1..8 heads, rows whose
-    start and stride are multiples of 16 bytes with each head's 128 (fp8) or 64 (FP4) bytes
-    contiguous (128-bit loads), FP4 block scales 2-byte aligned with a head's 8 contiguous,
-    and :func:`_gluon_device_unfit`'s device and Triton. The layout checks come first, so they
-    are named (and testable) on any device.
+    It needs fp8 or FP4 caches (bf16 and fp16 at head_dim 64 only: ``_GLUON_16BIT``), K and V
+    head_dim 64, 128 or 256 (alike), a query group of
+    1..16 heads (1..8 at head_dim 256: ``_GLUON_GROUPS``), rows whose start and stride are
+    multiples of 16 bytes with each head's ``head_dim`` (fp8) or ``head_dim / 2`` (FP4) bytes
+    contiguous (128-bit loads), FP4 block scales 2-byte aligned with a head's ``head_dim / 16``
+    contiguous (FP4 at head_dim 256 also pages of >= 16 tokens and 16-byte aligned scale rows:
+    its ring; register prefetch would spill), ``KVPOOL_GLUON_WIDE`` not 0 outside head_dim 128
+    with a group of <= 8, and :func:`_gluon_device_unfit`'s device and Triton. The layout
+    checks come first, so they are named (and testable) on any device.
     """
-    if view.dtype not in _GLUON_CONFIG:
+    hd = view.head_dim
+    if view.dtype in _GLUON_16BIT:
+        if hd != 64 or view.v_head_dim != 64:
+            return (
+                f"{view.dtype} caches at head_dim {hd} / v_head_dim {view.v_head_dim} (64 only; "
+                f"{', '.join(_GLUON_CONFIG)} at 64, 128 and 256)"
+            )
+    elif view.dtype not in _GLUON_CONFIG:
         return f"{view.dtype} caches ({', '.join(_GLUON_CONFIG)} only)"
-    if view.head_dim != 128 or view.v_head_dim != 128:
-        return f"head_dim {view.head_dim} / v_head_dim {view.v_head_dim} (128 only)"
-    if not 1 <= group <= 8:
-        return f"a query group of {group} heads (1..8 only)"
-    row = 64 if view.dtype in _FP4 else 128
+    if hd != view.v_head_dim or hd not in _GLUON_GROUPS:
+        return f"head_dim {hd} / v_head_dim {view.v_head_dim} (64, 128 or 256, K and V alike)"
+    if not 1 <= group <= _GLUON_GROUPS[hd]:
+        return f"a query group of {group} heads (1..{_GLUON_GROUPS[hd]} only at head_dim {hd})"
+    if not _gluon_base(view, group) and os.environ.get(GLUON_WIDE_ENV, "1") == "0":
+        return f"head_dim {hd} with a group of {group} while {GLUON_WIDE_ENV}=0"
+    row = hd // 2 if view.dtype in _FP4 else hd
     for t in (view.k, view.v):
         if t.stride(0) % 16 or t.data_ptr() % 16 or t.stride(2) != 1 or t.stride(1) != row:
             return (
                 f"K/V rows not 16-byte aligned or a head's {row} bytes not contiguous (address "
                 f"{t.data_ptr()} mod 16 = {t.data_ptr() % 16}, strides {tuple(t.stride())})"
             )
+    nb = hd // 16
     for t in (view.k_block_scale, view.v_block_scale):
-        # nvfp4: lanes read a head's 8 scale bytes in pairs ([R, H, 8] or [R, H * 8] rows)
+        # FP4: lanes read a head's hd / 16 scale bytes in pairs ([R, H, hd / 16] or flat rows)
         if t is not None and (
             t.stride(0) % 2
             or t.data_ptr() % 2
             or t.stride(-1) != 1
-            or (t.dim() == 3 and t.stride(1) != 8)
+            or (t.dim() == 3 and t.stride(1) != nb)
         ):
             return (
-                f"block scale rows not 2-byte aligned or a head's 8 bytes not contiguous "
+                f"block scale rows not 2-byte aligned or a head's {nb} bytes not contiguous "
                 f"(address {t.data_ptr()}, strides {tuple(t.stride())})"
             )
+        if t is not None and hd == 256 and (t.stride(0) % 16 or t.data_ptr() % 16):
+            return (
+                f"FP4 block scale rows not 16-byte aligned at head_dim 256 (address "
+                f"{t.data_ptr()}, strides {tuple(t.stride())}; its cp.async ring needs them)"
+            )
+    if view.dtype in _FP4 and hd == 256 and view.page_size < 16:
+        return f"an FP4 cache of page_size {view.page_size} at head_dim 256 (pages >= 16 only)"
     return _gluon_device_unfit(view.k.device)
 
 
@@ -174,6 +254,14 @@ _GLUON_FP4_OPTIONS = (True, 0, True, 2)
 # rescale 0.273 (136 registers instead of 128, so kept eager); e5m2 0.303 -> 0.292 -> lazy 0.282
 # -> head-fast 0.277 (1.78x). 4 splits were slower in every pair (0.287-0.386).
 _GLUON_FP8_OPTIONS = {"fp8_e4m3": (True, -1.0, True), "fp8_e5m2": (True, 8.0, True)}
+# 16-bit caches in decode_gluon.py (``WIDE``: the words are the MMA operands, no decode), at
+# head_dim 64 only (gpt-oss: the Triton kernel reached 0.87x SDPA there, run 12): a 3-stage
+# cp.async ring of 2 KiB tiles (96 registers, 12 KiB: 16 programs per SM in the split model);
+# at 128 the Triton kernel stays (the measured default, 0.95x), at 256 a tile is 8 KiB (a
+# 3-stage ring of 48 KiB: 4 programs per SM) and the Triton kernel is at 1.00-1.08x. Options
+# as e4m3's (eager rescale, one page id per tile, head-fast grid). Not measured on a GPU yet.
+_GLUON_16BIT = {"bf16": (3, 16, None), "fp16": (3, 16, None)}
+_GLUON_FP8_OPTIONS.update(bf16=(True, -1.0, True), fp16=(True, -1.0, True))
 _GLUON_OVERHEAD = 256
 
 
