@@ -1,9 +1,11 @@
 """A real ``redis-server`` on 127.0.0.1 for the page-store tests (never a mock).
 
-``redis_server`` (session-scoped) is one server without persistence (``--save '' --appendonly
-no``), killed at the end; ``start_redis(**options)`` starts another with extra options (e.g.
-``maxmemory``), for tests that change the server's behaviour. Tests skip with a clear reason only
-when the ``redis-server`` binary is missing (CI installs it: ``.ci/run``).
+``serve()`` yields one server without persistence (``--save '' --appendonly no``) and kills it
+at the end: a test module makes it its session fixture with
+``redis_server = pytest.fixture(scope="session")(serve)``. ``start_redis(**options)`` starts
+another with extra options (e.g. ``maxmemory``), for tests that change the server's behaviour.
+Tests skip with a clear reason only when the ``redis-server`` binary is missing (CI installs it:
+``.ci/run``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Server:
 
 def start_redis(**options: str) -> Server:
     if REDIS_SERVER is None:
-        pytest.skip("redis-server (or valkey-server) is not installed: apt-get install redis-server")
+        pytest.skip("redis-server (or valkey-server) is not installed: "
+                    "apt-get install redis-server")
     port = free_port()
     args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", tempfile.gettempdir()]
@@ -68,8 +71,7 @@ def start_redis(**options: str) -> Server:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="session")
-def redis_server():
+def serve():
     server = start_redis()
     yield server
     server.stop()

@@ -16,11 +16,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("redis")
 pytest.importorskip("xxhash")
 
-from redis_fixtures import free_port, redis_server, start_redis  # noqa: E402, F401
-
 import kvpool  # noqa: E402
 from kvpool.page_io import PageLayout  # noqa: E402
 from kvpool.store import PageStore, connect  # noqa: E402
+from redis_fixtures import free_port, serve, start_redis  # noqa: E402
+
+redis_server = pytest.fixture(scope="session")(serve)
 
 CONFIG = {"name": "tiny-llama", "num_hidden_layers": 3, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip

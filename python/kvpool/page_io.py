@@ -1,4 +1,4 @@
-"""A page's bytes out of a :class:`~kvpool.KVPool` and back: every buffer, quantized bytes unchanged.
+"""A page's bytes out of a :class:`~kvpool.KVPool` and back: every buffer, bytes unchanged.
 
 A page of the primary page space (full-attention, MLA and draft layers) lives in several
 buffers: each layer's ``k``/``v`` (or MLA ``kv``) data rows, their block scales (nvfp4,
@@ -34,9 +34,12 @@ PAGE_ROLES = ("data", "block_scale", "block_scale_page_major")
 
 @dataclass(frozen=True)
 class Section:
-    """One buffer's part of a page: ``name`` (``plan.buffers`` name), ``dtype`` (torch dtype
-    name), ``page_shape`` (the buffer's shape with its first dimension cut to one page:
-    ``page_size`` rows, or 1 page-major block) and ``nbytes`` (bytes per page)."""
+    """One buffer's part of a page.
+
+    ``name`` (``plan.buffers`` name), ``dtype`` (torch dtype name), ``page_shape`` (the buffer's
+    shape with its first dimension cut to one page: ``page_size`` rows, or 1 page-major block)
+    and ``nbytes`` (bytes per page).
+    """
 
     name: str
     dtype: str

@@ -72,9 +72,7 @@ _DIGEST = 16
 _LONG = ("layer_dtypes", "sections", "scales")
 
 
-def connect(
-    url: str, *, socket_timeout: float = 0.5, socket_connect_timeout: float = 0.5
-) -> Any:
+def connect(url: str, *, socket_timeout: float = 0.5, socket_connect_timeout: float = 0.5) -> Any:
     """A ``redis`` client for ``url``, with the given timeouts (seconds) and no retries.
 
     ``redis://[[user]:password@]host:port/db``, ``rediss://...`` (TLS) and ``unix://path``
@@ -264,8 +262,9 @@ class PageStore:
             "tp_rank": int(tp_rank),
             "checksum": "xxh3_128",
             "page_bytes": self.layout.page_bytes,
-            "sections": [[s.name, s.dtype, list(s.page_shape), s.nbytes]
-                         for s in self.layout.sections],  # fmt: skip
+            "sections": [
+                [s.name, s.dtype, list(s.page_shape), s.nbytes] for s in self.layout.sections
+            ],  # fmt: skip
             "scales": list(self.layout.scales),
         }
         self.fingerprint = self._xxh.xxh3_64_hexdigest(_canonical(desc))
@@ -329,7 +328,6 @@ class PageStore:
         from redis.cluster import RedisCluster
 
         return isinstance(self.client, RedisCluster)
-
 
     def _available(self) -> bool:
         if time.monotonic() < self._down_until:
@@ -452,7 +450,8 @@ class PageStore:
             return self._prefix(start_page, hashes[:0], [], "skipped")
         keys = [self.key(h) for h in hashes[start_page:end]]
         try:
-            values = self.client.mget_nonatomic(keys) if self._is_cluster() else self.client.mget(keys)
+            mget = self.client.mget_nonatomic if self._is_cluster() else self.client.mget
+            values = mget(keys)
         except self._errors() as e:
             self._failed(f"lookup of {len(keys)} pages", e)
             return self._prefix(start_page, hashes[:0], [], "skipped")
@@ -469,7 +468,8 @@ class PageStore:
             if why is not None:
                 stop = why
                 self._stats.refused += 1
-                logger.warning("page store: value of %s refused (%s): a miss", keys[j - start_page], why)
+                key = keys[j - start_page]
+                logger.warning("page store: value of %s refused (%s): a miss", key, why)
                 break
             found.append(np.frombuffer(v, np.uint8, self.layout.page_bytes, self._data_off))
         self._stats.hits += len(found)
@@ -480,7 +480,9 @@ class PageStore:
         data = torch.from_numpy(np.stack(rows)) if rows else torch.empty((0, pb), dtype=torch.uint8)
         return StorePrefix(start, hashes, data, stop)
 
-    def _check(self, v: bytes, tokens: np.ndarray, j: int, digest: bytes, scales: bytes) -> str | None:
+    def _check(
+        self, v: bytes, tokens: np.ndarray, j: int, digest: bytes, scales: bytes
+    ) -> str | None:
         """Why value ``v`` cannot be page ``j`` of ``tokens`` here, or None when it can."""
         if len(v) < _FIXED.size:
             return f"truncated: {len(v)} bytes"
@@ -529,8 +531,8 @@ class PageStore:
     def stats(self) -> dict[str, int]:
         """The counters (see the class docstring), as a dict."""
         s = self._stats
-        return {k: getattr(s, k) for k in
-                ("puts", "put_bytes", "lookups", "hits", "misses", "refused", "errors", "skipped")}  # fmt: skip
+        names = ("puts", "put_bytes", "lookups", "hits", "misses", "refused", "errors", "skipped")
+        return {k: getattr(s, k) for k in names}
 
 
 def _canonical(obj: Any) -> bytes:
