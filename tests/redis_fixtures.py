@@ -49,10 +49,35 @@ class Server:
 
 
 def start_redis(**options: str) -> Server:
+    """A fresh server (a new free port; three tries, as another process may take the port)."""
+    for attempt in range(3):
+        try:
+            return _start(**options)
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _free_pair() -> int:
+    """A free port ``p`` below 55536 whose cluster bus port ``p + 10000`` is free too."""
+    while True:
+        p = free_port()
+        if p + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 10000))
+            except OSError:
+                continue
+        return p
+
+
+def _start(**options: str) -> Server:
     if REDIS_SERVER is None:
         pytest.skip("redis-server (or valkey-server) is not installed: "
                     "apt-get install redis-server")
-    port = free_port()
+    port = _free_pair() if options.get("cluster_enabled") == "yes" else free_port()
     args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", tempfile.gettempdir()]
     for k, v in options.items():
@@ -75,3 +100,30 @@ def serve():
     server = start_redis()
     yield server
     server.stop()
+
+
+def start_cluster(n: int = 3) -> list[Server]:
+    """``n`` masters in cluster mode on 127.0.0.1, slots split by ``redis-cli --cluster create``."""
+    cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed: apt-get install redis-server")
+    tmp = tempfile.mkdtemp(prefix="kvpool-cluster-")
+    nodes = []
+    try:
+        for i in range(n):
+            nodes.append(start_redis(cluster_enabled="yes", dir=tmp,
+                                     cluster_config_file=f"nodes-{i}.conf"))  # fmt: skip
+        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        deadline = time.monotonic() + 20
+        while any(b"cluster_state:ok" not in s.client().execute_command("CLUSTER", "INFO")
+                  for s in nodes):  # fmt: skip
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return nodes
+    except BaseException:
+        for s in nodes:
+            s.stop()
+        raise

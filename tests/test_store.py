@@ -251,6 +251,12 @@ def test_server_down_is_skipped_within_the_timeout(caplog):
     assert sa.stats["errors"] == 1 and sa.stats["skipped"] == 1
     with pytest.raises(ValueError, match="page id 0"):  # bad input still raises while down
         sa.put_pages(toks, np.array([0, 1]))
+    # a cluster client connects at first use: that is skipped within the timeout too
+    sc = PageStore(a, f"redis+cluster://127.0.0.1:{free_port()}", seed=SEED,
+                   socket_timeout=0.2, socket_connect_timeout=0.2)  # fmt: skip
+    t0 = time.monotonic()
+    assert sc.get_prefix(toks).stop == "skipped"
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_a_server_that_stops_is_skipped_then_used_again(caplog):
@@ -348,3 +354,26 @@ def test_urls_and_arguments():
         s.get_prefix(np.zeros((2, 2), np.int32))
     with pytest.raises(ValueError, match="seed"):
         PageStore(pool, "redis://127.0.0.1:1/0", seed=-1)
+
+
+def test_a_cluster_url_spreads_pages_over_the_nodes():
+    from redis_fixtures import start_cluster
+
+    nodes = start_cluster(3)
+    try:
+        a = make_pool("nvfp4")
+        write_pages(a, list(range(1, 13)))
+        toks = tokens(12 * PS)
+        sa = PageStore(a, f"redis+cluster://127.0.0.1:{nodes[0].port}", seed=SEED)
+        assert sa.put_pages(toks, np.arange(1, 13)) == 12
+        per_node = [s.client().dbsize() for s in nodes]
+        assert sum(per_node) == 13 and min(per_node) > 0  # 12 pages + the layout key
+        b = make_pool("nvfp4", num_tokens=96)
+        sb = PageStore(b, f"redis+cluster://127.0.0.1:{nodes[1].port}", seed=SEED)
+        f = sb.get_prefix(toks)
+        assert (f.num_pages, f.stop) == (12, "end")
+        sb.load(f, np.arange(10, 22))
+        assert torch.equal(sb.layout.read(np.arange(10, 22)), sa.layout.read(np.arange(1, 13)))
+    finally:
+        for s in nodes:
+            s.stop()
