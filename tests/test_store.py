@@ -143,6 +143,19 @@ def test_prefix_stops_at_the_first_miss_and_continues_from_start_page(redis_serv
     # start_page skips pages already stored (only the rest is written)
     assert sa.put_pages(toks, np.arange(1, 7), start_page=3) == 3
     assert sa.get_prefix(toks).num_pages == 6
+    # puts and loads in chunks of STAGING_PAGES pages
+    b = make_pool("fp8_e4m3", num_tokens=96)
+    sb = PageStore(b, redis_server.url, seed=SEED, prefix="t-stop")
+    sa.STAGING_PAGES = sb.STAGING_PAGES = 4
+    other = tokens(6 * PS, offset=3)
+    assert sa.put_pages(other, np.array([6, 5, 4, 3, 2, 1])) == 6
+    f = sb.get_prefix(other)
+    for bad, match in [(np.arange(1, 6), "has 5 ids"), (np.array([1, 2, 3, 4, 5, 5]), "repeats"),
+                       (np.array([0, 1, 2, 3, 4, 5]), "page id 0")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            sb.load(f, bad)
+    sb.load(f, np.arange(11, 17))
+    assert torch.equal(sb.layout.read(np.arange(11, 17)), sa.layout.read([6, 5, 4, 3, 2, 1]))
 
 
 def _refusal(caplog, store, toks, **kw):

@@ -127,9 +127,9 @@ class StorePrefix:
         Index (in pages of the token sequence) of the first page looked up.
     hashes : numpy.ndarray
         uint64 ``[num_pages]``: the page hashes of the pages found.
-    data : torch.Tensor
-        uint8 ``[num_pages, page_bytes]`` on the CPU: the pages' bytes, as
-        :meth:`kvpool.page_io.PageLayout.read` gives them.
+    rows : list of numpy.ndarray
+        One uint8 ``[page_bytes]`` array per page found: its bytes as
+        :meth:`kvpool.page_io.PageLayout.read` gives them (views of the values received).
     stop : str
         Why the lookup stopped: ``"end"`` (every page asked for was found), ``"absent"`` (the next
         key is not in the store), ``"skipped"`` (store unavailable), or the reason a value was
@@ -138,8 +138,9 @@ class StorePrefix:
 
     start_page: int
     hashes: np.ndarray
-    data: torch.Tensor
+    rows: list[np.ndarray]
     stop: str
+    page_bytes: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -149,6 +150,13 @@ class StorePrefix:
     def num_tokens(self, page_size: int) -> int:
         """Tokens in the pages found (``num_pages * page_size``)."""
         return self.num_pages * page_size
+
+    @property
+    def data(self) -> torch.Tensor:
+        """uint8 ``[num_pages, page_bytes]`` on the CPU: the rows as one tensor (a copy)."""
+        if not self.rows:
+            return torch.empty((0, self.page_bytes), dtype=torch.uint8)
+        return torch.from_numpy(np.stack(self.rows))
 
 
 @dataclass
@@ -165,6 +173,9 @@ class _Stats:
 
 class PageStore:
     """KV pages of a :class:`~kvpool.KVPool` in a Valkey/Redis server, shared by instances.
+
+    Not thread-safe as one object (its staging buffer); the ``redis`` client is, so a put may run
+    on a second ``PageStore`` of the same pool in a background thread.
 
     Parameters
     ----------
@@ -215,6 +226,9 @@ class PageStore:
         Neither or both of ``url`` and ``client``; a pool with buffers outside the primary page
         space (see :class:`kvpool.page_io.PageLayout`); a bad URL scheme.
     """
+
+    #: Pages per chunk of :meth:`put_pages` reads and :meth:`load` writes (the staging rows).
+    STAGING_PAGES = 16
 
     def __init__(
         self,
@@ -283,6 +297,7 @@ class PageStore:
         self._data_off = self._scale_off + 4 * n_scales
         self.value_bytes = self._data_off + self.layout.page_bytes + _DIGEST
         self._stats = _Stats()
+        self._staging: torch.Tensor | None = None
 
     @property
     def layout_key(self) -> str:
@@ -358,8 +373,9 @@ class PageStore:
         ``tokens``: 1-D int32/int64 from the start of the sequence; ``pages``: int page ids,
         one per page of ``tokens`` (``len(tokens) // page_size``, or one more for a partial last
         page, which is not stored), as ``RadixCache.insert`` takes them. One gather per buffer
-        of the pool, then one pipeline of ``SET`` commands. Returns the pages written (0 when
-        the server is unavailable: the failure is logged, nothing is raised).
+        of the pool per ``STAGING_PAGES`` pages, then one pipeline of ``SET`` commands. Returns
+        the pages written (0 when the server is unavailable: the failure is logged, nothing is
+        raised).
 
         Raises
         ------
@@ -376,12 +392,9 @@ class PageStore:
             )
         if not 0 <= start_page <= n:
             raise ValueError(f"`start_page` = {start_page}: must be in 0..{n}")
-        if not self._available():
-            self.layout.check_pages(pages[start_page:n])
+        self.layout.check_pages(pages[start_page:n])
+        if start_page == n or not self._available():
             return 0
-        if start_page == n:
-            return 0
-        data = self.layout.read(pages[start_page:n]).cpu().numpy()
         hashes = self.hashes(tokens, namespace)
         digests = self._prefix_digests(tokens, hashes, n)
         scales = self.layout.scale_bytes()
@@ -389,12 +402,13 @@ class PageStore:
             pipe = self.client.pipeline(transaction=False)
             if not self._described:
                 pipe.set(self.layout_key, _canonical(self.description), nx=True)
-            for j in range(start_page, n):
-                value = self._encode(tokens, j, digests[j], scales, data[j - start_page])
-                if self.ttl is None:
-                    pipe.set(self.key(hashes[j]), value)
-                else:
-                    pipe.set(self.key(hashes[j]), value, px=int(self.ttl * 1000))
+            px = None if self.ttl is None else int(self.ttl * 1000)
+            for lo in range(start_page, n, self.STAGING_PAGES):  # read in chunks
+                hi = min(n, lo + self.STAGING_PAGES)
+                data = self.layout.read(pages[lo:hi]).cpu().numpy()
+                for j in range(lo, hi):
+                    value = self._encode(tokens, j, digests[j], scales, data[j - lo])
+                    pipe.set(self.key(hashes[j]), value, px=px)
             pipe.execute()
         except self._errors() as e:
             self._failed(f"put of {n - start_page} pages", e)
@@ -476,9 +490,7 @@ class PageStore:
         return self._prefix(start_page, hashes[start_page : start_page + len(found)], found, stop)
 
     def _prefix(self, start: int, hashes: np.ndarray, rows: list, stop: str) -> StorePrefix:
-        pb = self.layout.page_bytes
-        data = torch.from_numpy(np.stack(rows)) if rows else torch.empty((0, pb), dtype=torch.uint8)
-        return StorePrefix(start, hashes, data, stop)
+        return StorePrefix(start, hashes, rows, stop, self.layout.page_bytes)
 
     def _check(
         self, v: bytes, tokens: np.ndarray, j: int, digest: bytes, scales: bytes
@@ -518,14 +530,31 @@ class PageStore:
     def load(self, found: StorePrefix, pages: np.ndarray) -> None:
         """Write the pages of ``found`` into page ids ``pages`` of the pool (one per page).
 
-        One ``index_copy_`` per buffer (:meth:`kvpool.page_io.PageLayout.write`).
+        Through a staging tensor of at most ``STAGING_PAGES`` pages, kept by the store (so
+        its memory is touched once): per chunk one copy per page into it, then one
+        ``index_copy_`` per buffer (:meth:`kvpool.page_io.PageLayout.write`).
 
         Raises
         ------
         ValueError
-            ``pages`` does not hold ``found.num_pages`` valid, distinct ids.
+            ``pages`` does not hold ``found.num_pages`` valid, distinct ids (nothing written).
         """
-        self.layout.write(np.asarray(pages).reshape(-1), found.data)
+        pages = np.asarray(pages).reshape(-1)
+        if len(pages) != found.num_pages:
+            raise ValueError(f"`pages` has {len(pages)} ids, `found` {found.num_pages} pages")
+        self.layout.check_pages(pages)
+        if len(np.unique(pages)) != len(pages):
+            raise ValueError(f"`pages` repeats a page id: {pages.tolist()}")
+        if self._staging is None:
+            self._staging = torch.empty(
+                (self.STAGING_PAGES, self.layout.page_bytes), dtype=torch.uint8
+            )
+        stage = self._staging.numpy()
+        for lo in range(0, len(pages), self.STAGING_PAGES):
+            chunk = found.rows[lo : lo + self.STAGING_PAGES]
+            for i, row in enumerate(chunk):
+                stage[i] = row
+            self.layout.write(pages[lo : lo + len(chunk)], self._staging[: len(chunk)])
 
     @property
     def stats(self) -> dict[str, int]:
