@@ -405,7 +405,7 @@ class PageStore:
             px = None if self.ttl is None else int(self.ttl * 1000)
             for lo in range(start_page, n, self.STAGING_PAGES):  # read in chunks
                 hi = min(n, lo + self.STAGING_PAGES)
-                data = self.layout.read(pages[lo:hi]).cpu().numpy()
+                data = self._read(pages[lo:hi])
                 for j in range(lo, hi):
                     value = self._encode(tokens, j, digests[j], scales, data[j - lo])
                     pipe.set(self.key(hashes[j]), value, px=px)
@@ -545,16 +545,27 @@ class PageStore:
         self.layout.check_pages(pages)
         if len(np.unique(pages)) != len(pages):
             raise ValueError(f"`pages` repeats a page id: {pages.tolist()}")
-        if self._staging is None:
-            self._staging = torch.empty(
-                (self.STAGING_PAGES, self.layout.page_bytes), dtype=torch.uint8
-            )
-        stage = self._staging.numpy()
+        staging = self._stage()
+        stage = staging.numpy()
         for lo in range(0, len(pages), self.STAGING_PAGES):
             chunk = found.rows[lo : lo + self.STAGING_PAGES]
             for i, row in enumerate(chunk):
                 stage[i] = row
-            self.layout.write(pages[lo : lo + len(chunk)], self._staging[: len(chunk)])
+            self.layout.write(pages[lo : lo + len(chunk)], staging[: len(chunk)])
+
+    def _stage(self) -> torch.Tensor:
+        if self._staging is None:
+            shape = (self.STAGING_PAGES, self.layout.page_bytes)
+            self._staging = torch.empty(shape, dtype=torch.uint8)
+        return self._staging
+
+    def _read(self, pages: np.ndarray) -> np.ndarray:
+        """The bytes of ``pages`` (at most ``STAGING_PAGES``) on the CPU, in the staging rows."""
+        if self.pool.device.type == "cpu":
+            return self.layout.read(pages, out=self._stage()).numpy()
+        stage = self._stage()[: len(pages)]
+        stage.copy_(self.layout.read(pages))
+        return stage.numpy()
 
     @property
     def stats(self) -> dict[str, int]:
