@@ -390,3 +390,19 @@ def test_a_cluster_url_spreads_pages_over_the_nodes():
     finally:
         for s in nodes:
             s.stop()
+
+
+def test_pool_hooks_and_the_missing_extra(monkeypatch):
+    a = make_pool("fp4_mx_block16")
+    write_pages(a, [1, 2])
+    b = make_pool("fp4_mx_block16", num_tokens=96)
+    b.write_pages([7, 3], a.read_pages([1, 2]))
+    assert same(page_rows(a, 1), page_rows(b, 7)) and same(page_rows(a, 2), page_rows(b, 3))
+    assert a.page_layout is a.page_layout
+    import sys
+
+    from kvpool import _deps
+
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(ImportError, match=r"pip install 'kvpool\[store\]'"):
+        _deps.require_redis()

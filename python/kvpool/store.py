@@ -57,7 +57,6 @@ import numpy as np
 from kvpool._core import page_hashes
 from kvpool._deps import require_redis, require_xxhash
 from kvpool._torch import torch
-from kvpool.page_io import PageLayout
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
@@ -204,8 +203,8 @@ class PageStore:
 
     Attributes
     ----------
-    layout : PageLayout
-        The pool's per-page buffers.
+    layout : kvpool.page_io.PageLayout
+        The pool's per-page buffers (``pool.page_layout``).
     fingerprint : str
         16 hex digits naming the model and layout (see the module docstring).
     description : dict
@@ -250,7 +249,7 @@ class PageStore:
         self._xxh = require_xxhash()
         plan = pool.plan
         self.pool = pool
-        self.layout = PageLayout(pool)
+        self.layout = pool.page_layout
         self.page_size = plan.page_size
         self.seed = int(seed)
         page_hashes(np.zeros(0, np.int32), 1, seed=self.seed)  # checks the seed's range
@@ -531,8 +530,8 @@ class PageStore:
         """Write the pages of ``found`` into page ids ``pages`` of the pool (one per page).
 
         Through a staging tensor of at most ``STAGING_PAGES`` pages, kept by the store (so
-        its memory is touched once): per chunk one copy per page into it, then one
-        ``index_copy_`` per buffer (:meth:`kvpool.page_io.PageLayout.write`).
+        its memory is touched once): per chunk one copy per page into it, then one scatter per
+        buffer (:meth:`kvpool.page_io.PageLayout.write`).
 
         Raises
         ------
