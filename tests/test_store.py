@@ -359,6 +359,12 @@ def test_urls_and_arguments():
     assert connect("rediss://example.invalid:6380/2").connection_pool.connection_kwargs["db"] == 2
     assert isinstance(connect("unix:///tmp/none.sock"), redis.Redis)
     s = PageStore(pool, "redis://127.0.0.1:1/0", seed=1)
+    # log lines name the server without its password
+    assert PageStore(pool, "rediss://app:s3cret@db.example:6380/1", seed=1).server == (
+        "rediss://app:***@db.example:6380/1"
+    )
+    assert PageStore(pool, "redis://:s3cret@h:1/0", seed=1).server == "redis://:***@h:1/0"
+    assert s.server == "redis://127.0.0.1:1/0"
     with pytest.raises(ValueError, match="`pages` has 3 ids for 8 tokens"):
         s.put_pages(tokens(8), np.array([1, 2, 3]))
     with pytest.raises(ValueError, match="start_page"):

@@ -133,6 +133,8 @@ class StorePrefix:
         Why the lookup stopped: ``"end"`` (every page asked for was found), ``"absent"`` (the next
         key is not in the store), ``"skipped"`` (store unavailable), or the reason a value was
         refused (``"checksum mismatch"``, ``"tokens differ"``, ...).
+    page_bytes : int
+        Bytes of one page (the width of :attr:`data`).
     """
 
     start_page: int
@@ -203,6 +205,8 @@ class PageStore:
 
     Attributes
     ----------
+    server : str
+        The server as log lines name it: the URL without its password (or the client's repr).
     layout : kvpool.page_io.PageLayout
         The pool's per-page buffers (``pool.page_layout``).
     fingerprint : str
@@ -253,12 +257,13 @@ class PageStore:
         self.page_size = plan.page_size
         self.seed = int(seed)
         page_hashes(np.zeros(0, np.int32), 1, seed=self.seed)  # checks the seed's range
-        self.url = url if url is not None else repr(client)
+        if url is not None:
+            _scheme(url)  # a bad URL fails here, not at the first command
+        self._url = url
+        self.server = _redact(url) if url is not None else repr(client)
         self._timeouts = dict(
             socket_timeout=socket_timeout, socket_connect_timeout=socket_connect_timeout
         )
-        if url is not None:
-            _scheme(url)  # a bad URL fails here, not at the first command
         self._client = client
         self.retry_after = float(retry_after)
         self.ttl = ttl
@@ -335,7 +340,7 @@ class PageStore:
             The connection failed (the store's own calls catch these and skip).
         """
         if self._client is None:
-            self._client = connect(self.url, **self._timeouts)
+            self._client = connect(self._url, **self._timeouts)
         return self._client
 
     def _is_cluster(self) -> bool:
@@ -354,7 +359,7 @@ class PageStore:
         self._down_until = time.monotonic() + self.retry_after
         logger.warning(
             "page store %s: %s failed (%s: %s); the store is skipped for %.1f s",
-            self.url, what, type(e).__name__, e, self.retry_after,
+            self.server, what, type(e).__name__, e, self.retry_after,
         )  # fmt: skip
 
     def _errors(self) -> tuple[type[BaseException], ...]:
@@ -572,6 +577,16 @@ class PageStore:
         s = self._stats
         names = ("puts", "put_bytes", "lookups", "hits", "misses", "refused", "errors", "skipped")
         return {k: getattr(s, k) for k in names}
+
+
+def _redact(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***``."""
+    scheme, _, rest = url.partition("://")
+    auth, at, host = rest.rpartition("@")
+    if not at:
+        return url
+    user = auth.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if ":" in auth else f"{scheme}://***@{host}"
 
 
 def _canonical(obj: Any) -> bytes:
