@@ -412,3 +412,24 @@ def test_pool_hooks_and_the_missing_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)
     with pytest.raises(ImportError, match=r"pip install 'kvpool\[store\]'"):
         _deps.require_redis()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, recipe", [("fp8_e4m3", "linear"), ("nvfp4", "mixed")])
+def test_a_cuda_pool_round_trips_through_the_store(redis_server, dtype, recipe):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cpu = make_pool(dtype, recipe)
+    write_pages(cpu, [1, 2, 3])
+    plan = cpu.plan
+    a, b = kvpool.KVPool(plan, device="cuda"), kvpool.KVPool(plan, device="cuda")
+    for name, t in cpu.buffers.items():
+        a.buffers[name].copy_(t)
+        b.buffers[name].copy_(t)
+    toks = tokens(3 * PS)
+    sa = PageStore(a, redis_server.url, seed=SEED, prefix=f"t-cuda-{dtype}")
+    assert sa.put_pages(toks, np.array([1, 2, 3])) == 3
+    sb = PageStore(b, redis_server.url, seed=SEED, prefix=f"t-cuda-{dtype}")
+    f = sb.get_prefix(toks)
+    sb.load(f, np.array([9, 8, 7]))
+    assert torch.equal(b.read_pages([9, 8, 7]).cpu(), cpu.read_pages([1, 2, 3]))
