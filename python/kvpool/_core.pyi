@@ -389,6 +389,12 @@ class RadixCache:
         Models with linear-attention layers: the state-slot pool. A match then needs a state
         saved exactly at its end (``insert(..., state_slot=...)`` at page-aligned points), so
         without checkpoints every match has length 0 (``has_state_slots`` says so).
+    host_allocator : PageAllocator, optional
+        A host-memory tier over these host page ids (same page size; not with ``sliding`` or
+        ``state_slots``): eviction of an unlocked device leaf then demotes it to host pages
+        (``take_demotions`` lists the copies to make), the host tier drops its own LRU entries
+        when full, ``match_prefix_host`` finds host pages after the device match and
+        ``load_back`` moves them back (see :mod:`kvpool.tier`).
 
     Notes
     -----
@@ -422,6 +428,7 @@ class RadixCache:
         *,
         sliding: list[tuple[PageAllocator, int]] | None = None,
         state_slots: StateSlotAllocator | PageAllocator | None = None,
+        host_allocator: PageAllocator | None = None,
     ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
@@ -585,6 +592,56 @@ class RadixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes holding tokens."""
+    def match_prefix_host(
+        self, tokens: _IntArray, namespace: _Namespace = None
+    ) -> tuple[_Int32Array, RadixNode, int]:
+        """Host pages that continue the device match of ``tokens`` (a cache with a host tier).
+
+        Returns ``(host_pages, node, host_len)``: int32 host page ids of the tokens after
+        ``match_prefix``'s matched length, the node where they end (for ``load_back``; the
+        device match's end when ``host_len`` is 0) and their length in tokens. The host edge is
+        split where the match ends; no device counter changes.
+
+        Raises
+        ------
+        InvalidArgumentError
+            No host tier; a negative token id.
+        """
+    def load_back(self, node: RadixNode, pages: _IntArray) -> int:
+        """Moves host node ``node`` and its host ancestors back to the device tier.
+
+        ``pages``: device page ids the caller holds and filled with the host pages' bytes, one
+        per host page from the device tier down to ``node`` (``match_prefix_host``'s pages, in
+        order). The cache takes its reference on them and frees the host pages. Returns the
+        tokens moved. Call it once the copies succeeded; on a failed load leave the node on the
+        host and recompute.
+
+        Raises
+        ------
+        StaleNodeError
+            The node was dropped (a full host pool) or the cache reset.
+        InvalidArgumentError
+            The node is on the device; wrong length; no host tier.
+        PageError
+            A bad device page (padding, out of range, free, repeated, already cached).
+        """
+    def take_demotions(self) -> tuple[_Int32Array, _Int32Array]:
+        """``(device_pages, host_pages)`` demoted since the last call (int32, one shape): copy
+        each device page to its host page, in order, before the device page is written again
+        (``alloc``, ``try_alloc`` and ``evict`` demote; ``kvpool.tier.HostTier`` copies them).
+
+        Raises
+        ------
+        InvalidArgumentError
+            No host tier.
+        """
+    def tier_stats(self) -> dict[str, int]:
+        """The host tier's counters: ``demoted_pages``, ``dropped_pages`` (evicted with no host
+        copy), ``host_evicted_pages``, ``loaded_pages`` (by ``load_back``),
+        ``host_query_tokens``, ``host_hit_tokens``, ``host_size`` (tokens on the host now)."""
+    @property
+    def host_allocator(self) -> PageAllocator | None:
+        """The host tier's allocator, or None."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 

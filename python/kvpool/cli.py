@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="draft tokens per step: sliding spaces keep their pages for rollback (default 0)",
     )
+    s.add_argument("--host-memory", type=_gib, metavar="GIB",
+                   help="pinned host memory for the host tier (pages evicted from the device "
+                        "are demoted there): host pages and bytes per dtype")
     s.add_argument("--json", action="store_true", help="print every figure as JSON")
     s.add_argument("--plot", metavar="FILE.png",
                    help="draw tokens and requests per dtype to FILE (pip install 'kvpool[plot]')")
@@ -156,6 +159,8 @@ def _size(args: argparse.Namespace, console: Console) -> int:
     kw |= dict(context_len=context, chunked_prefill_size=chunk,
                num_draft_tokens=args.speculative_num_draft_tokens,
                draft=_draft(args))  # fmt: skip
+    if args.host_memory is not None:
+        kw["host_memory"] = args.host_memory
     spec = kvpool.ModelSpec.from_pretrained(args.model, dtype=args.model_dtype)
     results = _plans(spec, dtypes, kw, keep_going=args.kv_cache_dtype == "all")
     plans = [r for r in results if isinstance(r, Plan)]
@@ -217,6 +222,14 @@ def _size(args: argparse.Namespace, console: Console) -> int:
             f"{p.total_bytes / GIB:.2f}",
         )
     console.print(t)
+    for p in plans:
+        if p.host is not None:
+            console.print(
+                f"host tier {p.dtype}: {p.host_bytes / GIB:.2f} GiB pinned = {p.host_pages:,} "
+                f"pages x {p.page_size} ({p.host_pages * p.page_size:,} tokens, "
+                f"{p.host.bytes_per_token:,} B/token)",
+                highlight=False,
+            )
     for r in results:
         if not isinstance(r, Plan):
             console.print(

@@ -17,6 +17,7 @@ from kvpool._args import as_index
 from kvpool._core import SizingError
 from kvpool.config import ModelSpec
 from kvpool.gpus import gpu_memory
+from kvpool.host_plan import HostPlan, host_plan, host_summary
 from kvpool.weights import weight_bytes
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class Plan:
     sliding window's space first). See :attr:`groups` and :attr:`page_spaces` for the others.
     """
 
-    __slots__ = ("_core", "budget", "draft", "spec", "tp_size")
+    __slots__ = ("_core", "budget", "draft", "host", "spec", "tp_size")
 
     def __init__(
         self,
@@ -156,6 +157,7 @@ class Plan:
         self.tp_size = tp_size
         self.budget = budget
         self.draft = draft
+        self.host: HostPlan | None = None  # the host tier's pool (size_for's host_memory)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -215,6 +217,16 @@ class Plan:
             else _core.PageAllocator(s["num_pages"], s["page_size"])
             for name, s in self.page_spaces.items()
         }
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host tier's pinned pool (0 without one; see :mod:`kvpool.host_plan`)."""
+        return 0 if self.host is None else self.host.host_bytes
+
+    @property
+    def host_pages(self) -> int:
+        """Usable pages of the host tier's pool (ids ``1..host_pages``; 0 without one)."""
+        return 0 if self.host is None else self.host.num_pages
 
     @property
     def budget_bytes(self) -> int:
@@ -284,6 +296,7 @@ class Plan:
         if self.budget is not None:
             d["budget"] = self.budget.__dict__
         d["buffers"] = [b._asdict() for b in self.buffers]
+        d["host"] = None if self.host is None else host_summary(self.host)
         return d
 
 
@@ -394,6 +407,8 @@ def size_for(
     draft: ModelSpec | dict | str | os.PathLike[str] | None = None,
     num_draft_tokens: int = 0,
     group: Any = None,
+    host_memory: int | None = None,
+    host_pages: int | None = None,
 ) -> Plan:
     """Size a KV pool: the largest page-aligned token count whose every byte fits the budget.
 
@@ -465,6 +480,12 @@ def size_for(
         (:func:`kvpool.distributed.agree_plan`): the least memory of any rank sizes it, every
         rank checks it made the same plan, and a mismatch or a rank that cannot fit raises on
         every rank. Every rank of the group must call it.
+    host_memory : int, optional
+        Bytes of pinned host memory for the host tier (``plan.host``, ``plan.host_bytes``,
+        ``plan.host_pages``): as many host pages as fit, each holding a device page's bytes
+        (:mod:`kvpool.host_plan`). Not part of the device budget.
+    host_pages : int, optional
+        A host pool of exactly this many pages instead (not with ``host_memory``).
 
     Returns
     -------
@@ -492,7 +513,8 @@ def size_for(
                   nvfp4_recipe=nvfp4_recipe, layer_dtypes=layer_dtypes,
                   sliding_dtype=sliding_dtype, model_dtype=model_dtype, num_tokens=num_tokens,
                   context_len=context_len, chunked_prefill_size=chunked_prefill_size,
-                  draft=draft, num_draft_tokens=num_draft_tokens)  # fmt: skip
+                  draft=draft, num_draft_tokens=num_draft_tokens,
+                  host_memory=host_memory, host_pages=host_pages)  # fmt: skip
         return agree_plan(model, dtype, mem_frac, group=group, **kw).plan
     tp_size = 1 if tp_size is None else tp_size
     spec = _spec(model, model_dtype)
@@ -526,10 +548,17 @@ def size_for(
     if num_tokens is not None:
         n = _int("num_tokens", num_tokens)
         core = _core.plan(geometry, dtype, num_tokens=n, **kw)
-        return Plan(core, spec, tp_size, None, draft_spec)
-    budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, tp_size)
-    core = _core.plan(geometry, dtype, budget=budget.budget, **kw)
-    return Plan(core, spec, tp_size, budget, draft_spec)
+        plan = Plan(core, spec, tp_size, None, draft_spec)
+    else:
+        budget = _budget(spec, mem_frac, total_memory, available_memory, gpu, weights, tp_size)
+        core = _core.plan(geometry, dtype, budget=budget.budget, **kw)
+        plan = Plan(core, spec, tp_size, budget, draft_spec)
+
+    def make(n: int) -> Plan:  # the one layout at another page count
+        return Plan(_core.plan(geometry, dtype, num_tokens=n, **kw), spec, tp_size, None)
+
+    plan.host = host_plan(plan, make, host_memory, host_pages)
+    return plan
 
 
 def _mtp_spec(spec: ModelSpec) -> ModelSpec:

@@ -37,9 +37,11 @@ use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
 mod groups;
 mod namespace;
+mod tier;
 use groups::Groups;
 pub use groups::{GroupMatch, GroupPath, Others};
 pub use namespace::{Namespace, NamespaceBuilder};
+pub use tier::{HostMatch, TierStats};
 
 /// Errors of the `radix` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -95,6 +97,18 @@ pub enum RadixError {
     NoStatePool,
     #[error("the same allocator is passed twice (full, sliding and state spaces need one each)")]
     SharedAllocator,
+    #[error("{}", if *has_tier { "this radix cache has a host tier: use the calls that take its host allocator" } else { "this radix cache has no host tier (build it with a host allocator)" })]
+    HostAllocator { has_tier: bool },
+    #[error("a host tier is not supported for hybrid caches (sliding groups or state slots)")]
+    HostTierHybrid,
+    #[error("a host tier can only be added to an empty radix cache without one")]
+    HostTierBusy,
+    #[error("node `{node}` is on the host tier: load it back (`load_back`) before locking it")]
+    OnHost { node: u32 },
+    #[error("node `{node}` is on the device tier: nothing to load back")]
+    NotOnHost { node: u32 },
+    #[error("`pages` has {got} entries, but node `{node}` and its host ancestors hold {expected} host pages")]
+    LoadLength { node: u32, expected: usize, got: usize },
 }
 
 /// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
@@ -189,6 +203,11 @@ struct Node {
     /// Hybrid caches only (empty otherwise): one page id per page of the edge for each sliding
     /// group in turn (0: released), then the state slot saved at the node's end (0: none).
     extra: Vec<i32>,
+    /// On the host tier: `data`'s page ids are host pages (see `tier`).
+    host: bool,
+    /// Children on the host tier (a device node with only those is a device leaf).
+    host_kids: u32,
+    in_host_lru: bool,
 }
 
 impl Node {
@@ -372,6 +391,8 @@ pub struct RadixCache {
     miss: u64,
     /// The extra page spaces of a hybrid model (sliding groups, state slots); None for a plain one.
     groups: Option<Box<Groups>>,
+    /// The host-memory tier, when built with a host allocator.
+    tier: Option<Box<tier::Tier>>,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -440,6 +461,7 @@ impl RadixCache {
             hit: 0,
             miss: 0,
             groups: None,
+            tier: None,
         })
     }
 
@@ -551,11 +573,14 @@ impl RadixCache {
 
     fn is_evictable_leaf(&self, id: u32) -> bool {
         let n = self.node(id);
-        n.live && !n.key().is_empty() && n.children.is_empty() && n.lock == 0
+        n.live && !n.key().is_empty() && !n.host && n.children.len() == n.host_kids as usize && n.lock == 0
     }
 
     /// Puts `id` in or out of the LRU set after its children, lock or access time changed.
     fn refresh(&mut self, id: u32) {
+        if self.node(id).host {
+            return self.refresh_host(id);
+        }
         let want = self.is_evictable_leaf(id);
         let n = &mut self.nodes[id as usize];
         if n.in_lru {
@@ -576,7 +601,10 @@ impl RadixCache {
             self.lru.remove(&(n.last_access, id));
             self.lru.insert((clock, id));
         }
-        n.last_access = clock;
+        let old = std::mem::replace(&mut n.last_access, clock);
+        if n.in_host_lru {
+            self.touch_host(id, old, clock);
+        }
     }
 
     /// Splits `child` after `m` tokens (a positive multiple of the page size below its length).
@@ -585,7 +613,7 @@ impl RadixCache {
         let ps = self.page_size;
         let shape = self.shape();
         let c = &mut self.nodes[child as usize];
-        let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
+        let (parent, lock, last_access, host) = (c.parent, c.lock, c.last_access, c.host);
         // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
         let old = std::mem::take(&mut c.data);
         let (key, pages) = old.split_at(c.key_len as usize);
@@ -608,6 +636,8 @@ impl RadixCache {
             lock,
             last_access,
             extra,
+            host,
+            host_kids: u32::from(host),
             ..Node::default()
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
@@ -654,6 +684,9 @@ impl RadixCache {
                     break;
                 };
                 let c = self.node(child);
+                if c.host {
+                    break; // host pages: `match_prefix_host`
+                }
                 let m = common_prefix(c.key(), &tokens[pos..aligned]) / ps * ps;
                 let whole = m == c.key().len();
                 sink(&c.pages()[..m / ps]);
@@ -740,12 +773,16 @@ impl RadixCache {
         let mut last = NONE;
         let mut partial = None;
         let mut pos = 0;
+        let mut host_at = None; // the first host node walked, and where it starts
         if let Some(root) = root {
             let mut cur = root;
             while pos < aligned {
                 let Some(child) = self.child(cur, &tokens[pos..pos + ps]) else {
                     break;
                 };
+                if host_at.is_none() && self.node(child).host {
+                    host_at = Some((child, pos));
+                }
                 let key = self.node(child).key();
                 let m = common_prefix(key, &tokens[pos..aligned]) / ps * ps;
                 pos += m;
@@ -759,9 +796,11 @@ impl RadixCache {
         }
         // The pages the tree takes: borrowed when one part holds them all (a serving loop's
         // new pages), gathered otherwise.
-        let taken = page_range(parts, pos / ps, full);
+        // (host nodes walked take the caller's pages too: from where the host tier starts)
+        let from = host_at.map_or(pos, |(_, p)| p);
+        let taken = page_range(parts, from / ps, full);
         // Validates the pages the tree takes and takes its reference on them (one pass).
-        if pos < aligned {
+        if from < aligned {
             alloc.cache_pages(&taken)?;
         }
         // Validated: from here on nothing fails.
@@ -781,9 +820,12 @@ impl RadixCache {
         if let Some((child, m)) = partial {
             parent = self.split(child, m);
             self.touch(parent, clock);
+            host_at = host_at.map(|(h, p)| (if h == child { parent } else { h }, p));
         }
+        let promoted = self.promote_walked(host_at, parent, &taken);
+        let taken = &taken[promoted..];
         if pos == aligned {
-            return Ok((pos, parent));
+            return Ok((from, parent));
         }
         if parent == NONE {
             let root = Node {
@@ -805,7 +847,7 @@ impl RadixCache {
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
-        Ok((pos, leaf))
+        Ok((from, leaf))
     }
 
     /// Locks the path from `h`'s node to its root: none of it is evicted until `unlock(h)`.
@@ -814,6 +856,7 @@ impl RadixCache {
     /// [`RadixError::StaleHandle`], [`RadixError::LockOverflow`]; nothing changes then.
     pub fn lock(&mut self, h: Handle) -> Result<(), RadixError> {
         let id = self.resolve(h)?;
+        self.check_device(id)?;
         let mut cur = id;
         while cur != NONE {
             if self.node(cur).lock == u32::MAX {
@@ -904,7 +947,7 @@ impl RadixCache {
             if !parent.key().is_empty() && parent.lock == 0 {
                 let g = gone.entry(n.parent).or_insert(0);
                 *g += 1;
-                if *g == parent.children.len() {
+                if *g == parent.children.len() - parent.host_kids as usize {
                     exposed.push(Reverse((parent.last_access, n.parent)));
                 }
             }
@@ -933,7 +976,9 @@ impl RadixCache {
         }
         let n = &self.nodes[id as usize];
         let (parent, first, len) = (n.parent, n.key()[0], n.key_len as usize);
-        self.evictable -= len;
+        if !self.forget_host(id) {
+            self.evictable -= len;
+        }
         self.free_node(id);
         self.node_mut(parent).children.remove(first, id);
         let p = self.node(parent);
@@ -1199,6 +1244,9 @@ impl RadixCache {
             let parent = self.node(n.parent);
             if !parent.key().is_empty() && parent.last_access < n.last_access {
                 return bad(format!("node {id} accessed after its parent"));
+            }
+            if n.host {
+                continue; // host pages and LRU: `check_invariants_tiered`
             }
             if n.lock == 0 {
                 evictable += n.key().len();

@@ -109,7 +109,13 @@ fn radix_err(e: RadixError, msg: String) -> PyErr {
         | RadixError::GroupLength { .. }
         | RadixError::StateNotAligned { .. }
         | RadixError::NoStatePool
-        | RadixError::SharedAllocator => InvalidArgumentError::new_err(msg),
+        | RadixError::SharedAllocator
+        | RadixError::HostAllocator { .. }
+        | RadixError::HostTierHybrid
+        | RadixError::HostTierBusy
+        | RadixError::OnHost { .. }
+        | RadixError::NotOnHost { .. }
+        | RadixError::LoadLength { .. } => InvalidArgumentError::new_err(msg),
     }
 }
 

@@ -21,6 +21,8 @@ use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 #[path = "radix_groups.rs"]
 mod groups;
 use groups::Groups;
+#[path = "radix_tier.rs"]
+mod tier;
 
 /// An opaque handle to a cache node, from `match_prefix`; hashable, comparable.
 ///
@@ -179,6 +181,8 @@ pub(crate) struct PyRadixCache {
     cache: Mutex<RadixCache>,
     /// Hybrid models: the sliding groups' and the state pool's allocators (see `radix_groups.rs`).
     groups: Groups,
+    /// The host tier's allocator (see `radix_tier.rs`).
+    host: Option<tier::Host>,
 }
 
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
@@ -211,6 +215,9 @@ impl PyRadixCache {
         soft: bool,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
         let n = count("n", n)?;
+        if self.has_tier() {
+            return self.take_tiered(py, n, soft);
+        }
         let long = n >= DETACH_MIN;
         let r = if self.groups.is_hybrid() {
             self.with_spaces(py, long, |c, a, o| {
@@ -241,24 +248,29 @@ impl PyRadixCache {
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None))]
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, host_allocator=None))]
     fn new(
         allocator: Bound<'_, PyPageAllocator>,
         page_size: Option<Int>,
         sliding: Option<Vec<(Bound<'_, PyPageAllocator>, Int)>>,
         state_slots: Option<Bound<'_, PyAny>>,
+        host_allocator: Option<Bound<'_, PyPageAllocator>>,
     ) -> PyResult<Self> {
         let py = allocator.py();
         let alloc = allocator.get().inner.clone();
         let groups = Groups::from_py(&alloc, sliding, state_slots)?;
+        let host = tier::Host::from_py(&alloc, host_allocator, groups.is_hybrid())?;
         let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
         let cache = groups.build(py, &alloc, ps).map_err(to_py)?;
-        Ok(Self {
+        let this = Self {
             alloc,
             allocator: allocator.unbind(),
             cache: Mutex::new(cache),
             groups,
-        })
+            host,
+        };
+        this.enable_tier(py)?;
+        Ok(this)
     }
 
     /// Longest cached page-aligned prefix of `tokens`.
@@ -368,6 +380,10 @@ impl PyRadixCache {
             .map(|p| detachable(p, long))
             .collect::<PyResult<Vec<_>>>()?;
         let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+        if self.has_tier() {
+            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.insert_tiered(a, h, &ns, &toks, &parts);
+            return self.with_tier(py, long, f).and_then(|r| r).map_err(to_py);
+        }
         self.with_both(py, long, |c, a| c.insert_parts(a, &ns, &toks, &parts))
             .map_err(to_py)
     }
@@ -403,6 +419,10 @@ impl PyRadixCache {
     /// the nodes it evicts.
     fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
         let n = count("num_tokens", &num_tokens)?;
+        if self.has_tier() {
+            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.evict_tiered(a, h, n);
+            return self.with_tier(py, n >= DETACH_MIN, f).and_then(|r| r).map_err(to_py);
+        }
         if self.groups.is_hybrid() {
             return self
                 .with_spaces(py, n >= DETACH_MIN, |c, a, o| c.evict_with(a, o, n))
@@ -442,6 +462,10 @@ impl PyRadixCache {
     /// CacheBusyError
     ///     A lock is held.
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        if self.has_tier() {
+            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.reset_tiered(a, h);
+            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+        }
         if self.groups.is_hybrid() {
             return self
                 .with_spaces(py, true, |c, a, o| c.reset_with(a, o))
@@ -457,6 +481,10 @@ impl PyRadixCache {
     /// CacheCorruptError
     ///     An invariant is broken (a bug in kvpool).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        if self.has_tier() {
+            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.check_invariants_tiered(a, h);
+            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+        }
         if self.groups.is_hybrid() {
             return self
                 .with_spaces(py, true, |c, a, o| c.check_invariants_with(a, o))
@@ -637,6 +665,89 @@ impl PyRadixCache {
     #[getter]
     fn has_state_slots(&self, py: Python<'_>) -> bool {
         with_lock(py, &self.cache, false, |c| c.has_state_slots())
+    }
+
+    // --- the host-memory tier (see `radix_tier.rs`) ---
+
+    /// Host pages that continue the device match of `tokens` (a cache with `host_allocator`).
+    ///
+    /// The device part is walked as `match_prefix` does (no device counter changes); the host
+    /// edge is split where the match ends. Updates access times and `tier_stats`.
+    ///
+    /// Parameters
+    /// ----------
+    /// tokens : numpy.ndarray
+    ///     1-D int32 or int64 token ids.
+    /// namespace : None, int, str, bytes or (nested) tuple of those
+    ///     As for `match_prefix`.
+    ///
+    /// Returns
+    /// -------
+    /// tuple
+    ///     `(host_pages, node, host_len)`: host page ids (int32, shape `(host_len // page_size,)`)
+    ///     of the tokens after `match_prefix`'s matched length, the node where they end (pass it
+    ///     to `load_back`; the device match's end when `host_len` is 0) and their length in tokens.
+    ///
+    /// Raises
+    /// ------
+    /// InvalidArgumentError
+    ///     The cache has no host tier; a negative token id.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix_host<'py>(
+        &self,
+        py: Python<'py>,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<tier::HostMatchTuple<'py>> {
+        self.match_host(py, tokens, namespace)
+    }
+
+    /// Moves host node `node` and its host ancestors back to the device tier.
+    ///
+    /// `pages` are device page ids the caller holds and has filled with the host pages' bytes,
+    /// one per host page from the device tier down to `node` (the `host_pages` of
+    /// `match_prefix_host`, in order). The cache takes its reference on them (the caller frees
+    /// its own as usual) and frees the host pages. Call it only once the copies succeeded: on a
+    /// failed load, leave the node on the host and recompute.
+    ///
+    /// Returns
+    /// -------
+    /// int
+    ///     Tokens moved to the device.
+    ///
+    /// Raises
+    /// ------
+    /// StaleNodeError
+    ///     The node was dropped (e.g. from a full host pool) or the cache reset: recompute.
+    /// InvalidArgumentError
+    ///     The node is on the device; `pages` has the wrong length; no host tier.
+    /// PageError
+    ///     A device page that is the padding page, out of range, free, repeated or already cached.
+    fn load_back(&self, py: Python<'_>, node: &PyRadixNode, pages: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.load(py, node, pages)
+    }
+
+    /// The demotions since the last call: `(device_pages, host_pages)`, int32 arrays of one shape.
+    ///
+    /// Copy device page `device_pages[i]` to host page `host_pages[i]` (in order: a host page
+    /// listed twice takes the later copy) before any of those device pages is written again:
+    /// `alloc`, `try_alloc` and `evict` may demote, and `alloc` hands the freed pages straight
+    /// out. `kvpool.tier.HostTier` does it for every call.
+    fn take_demotions<'py>(&self, py: Python<'py>) -> PyResult<tier::Demotions<'py>> {
+        self.demotions(py)
+    }
+
+    /// The host tier's counters (zeros without one), as a dict of int: `demoted_pages`,
+    /// `dropped_pages` (evicted with no host copy), `host_evicted_pages`, `loaded_pages`,
+    /// `host_query_tokens`, `host_hit_tokens`, `host_size` (tokens on the host now).
+    fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        self.stats(py)
+    }
+
+    /// The host tier's allocator, or None.
+    #[getter]
+    fn host_allocator(&self, py: Python<'_>) -> Option<Py<PyPageAllocator>> {
+        self.host_obj(py)
     }
 
     /// `RadixCache(page_size=..., total_size=..., protected_size=...)`.

@@ -174,6 +174,7 @@ impl RadixCache {
 
     /// Checks that `o` holds exactly the extra allocators the cache was built with.
     pub(super) fn check_others(&self, o: &Others<'_>) -> Result<(), RadixError> {
+        self.check_no_tier()?;
         let (sliding, state) = self.shape();
         let word = |b: bool| if b { " and a state-slot pool" } else { "" };
         if o.sliding.len() != sliding || o.state.is_some() != state {
