@@ -1,13 +1,15 @@
 """Every ```python block of the docs runs as written (on the CPU; GPU blocks only on CUDA).
 
 Blocks of one page run in order in one namespace, a fresh one per page, so a page reads as one
-program. A block preceded by ``<!-- gpu -->`` needs CUDA and is skipped without it; in README.md
+program. A block preceded by ``<!-- gpu -->`` needs CUDA and is skipped without it; one preceded by
+``<!-- redis -->`` starts a redis-server and is skipped only when none is installed; in README.md
 only blocks preceded by ``<!-- runnable -->`` run (its other blocks show output or elided code).
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,8 @@ def test_page_blocks_run(page: Path) -> None:
         if not runnable(page, mark):
             continue
         if mark == "gpu" and not _cuda():
+            continue
+        if mark == "redis" and shutil.which("redis-server") is None:
             continue
         try:
             exec(compile(code, f"{page.name}:{line}", "exec"), ns)

@@ -1,7 +1,8 @@
 """Optional dependencies, imported with an error that names the extra to install.
 
 Sizing and bookkeeping need neither torch nor matplotlib; the pool, the kernels and
-``kvpool size --plot`` do. ``pyproject.toml`` lists the extras (``torch``, ``plot``).
+``kvpool size --plot`` do; the page store needs redis and xxhash. ``pyproject.toml`` lists the
+extras (``torch``, ``plot``, ``store``).
 """
 
 from __future__ import annotations
@@ -45,3 +46,31 @@ def require_pyplot() -> ModuleType:
         return importlib.import_module("matplotlib.pyplot")
     except ImportError as e:
         raise missing("matplotlib", "plot", "`kvpool size --plot`") from e
+
+
+def require_redis() -> ModuleType:
+    """The ``redis`` client package (Valkey and Redis servers alike).
+
+    Raises
+    ------
+    ImportError
+        redis is missing; the message names the extra (``pip install 'kvpool[store]'``).
+    """
+    try:
+        return importlib.import_module("redis")
+    except ImportError as e:
+        raise missing("redis", "store", "kvpool.store") from e
+
+
+def require_xxhash() -> ModuleType:
+    """The ``xxhash`` package (the page store's XXH3-128 checksums).
+
+    Raises
+    ------
+    ImportError
+        xxhash is missing; the message names the extra (``pip install 'kvpool[store]'``).
+    """
+    try:
+        return importlib.import_module("xxhash")
+    except ImportError as e:
+        raise missing("xxhash", "store", "kvpool.store") from e

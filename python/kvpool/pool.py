@@ -264,6 +264,30 @@ class KVPool:
                 view.v_scale.fill_(vs[layer])
         self.scales_source = source
 
+    def read_pages(self, pages) -> torch.Tensor:
+        """The bytes of ``pages`` over every per-page buffer: ``[len(pages), page_bytes]`` uint8.
+
+        See :class:`kvpool.page_io.PageLayout` (``read``) for the layout and errors.
+        """
+        return self.page_layout.read(pages)
+
+    def write_pages(self, pages, data: torch.Tensor) -> None:
+        """Write bytes :meth:`read_pages` gave into ``pages`` (uint8 ``[len(pages), page_bytes]``).
+
+        From this pool or one of the same layout; see :class:`kvpool.page_io.PageLayout`
+        (``write``) for the errors.
+        """
+        self.page_layout.write(pages, data)
+
+    @property
+    def page_layout(self):
+        """The pool's :class:`kvpool.page_io.PageLayout` (made at first use)."""
+        if getattr(self, "_page_layout", None) is None:
+            from kvpool.page_io import PageLayout
+
+            self._page_layout = PageLayout(self)
+        return self._page_layout
+
     # --- quantized write / dequantize (kvpool.write) and the missing-scales warning ---------
 
     #: Check slots and finiteness on every write, and seq_lens, cu_seqlens_q and page ids on
