@@ -37,7 +37,10 @@ use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
 mod groups;
 mod namespace;
+mod retention;
 use groups::Groups;
+use retention::{lru_key, EvictKey, NodeRet, Retention};
+pub use retention::{Retain, Seconds, Stats, MAX_PRIORITY};
 pub use groups::{GroupMatch, GroupPath, Others};
 pub use namespace::{Namespace, NamespaceBuilder};
 
@@ -95,6 +98,23 @@ pub enum RadixError {
     NoStatePool,
     #[error("the same allocator is passed twice (full, sliding and state spaces need one each)")]
     SharedAllocator,
+    #[error("`priority` = {value} is outside 0..=100 (higher is kept longer)")]
+    BadPriority { value: i64 },
+    #[error("`retention_s` = {value}: a retention is a number of seconds >= 0 (None: no decay)")]
+    BadRetention { value: String },
+    #[error("clock reading `{value}` is not a finite number of seconds")]
+    BadTime { value: String },
+    #[error("unpin of node `{node}`, which holds no pin (each unpin must match one pin of the same handle)")]
+    NotPinned { node: u32 },
+    #[error("pin count of node `{node}` would overflow")]
+    PinOverflow { node: u32 },
+    #[error("pin of node `{node}` would pin {tokens} more tokens, {pinned} of the budget `max_pinned_tokens` = {max} are pinned already")]
+    PinBudget {
+        node: u32,
+        tokens: usize,
+        pinned: usize,
+        max: usize,
+    },
 }
 
 /// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
@@ -189,6 +209,8 @@ struct Node {
     /// Hybrid caches only (empty otherwise): one page id per page of the edge for each sliding
     /// group in turn (0: released), then the state slot saved at the node's end (0: none).
     extra: Vec<i32>,
+    /// Priority, retention and pins (see `retention`).
+    ret: NodeRet,
 }
 
 impl Node {
@@ -363,8 +385,8 @@ pub struct RadixCache {
     nodes: Vec<Node>,
     free_slots: Vec<u32>,
     roots: HashMap<Box<[u8]>, u32>,
-    /// Unlocked leaves by (last access, slot): the eviction order.
-    lru: BTreeSet<(u64, u32)>,
+    /// Unlocked, unpinned leaves by (current priority, last access, slot): the eviction order.
+    lru: BTreeSet<EvictKey>,
     clock: u64,
     evictable: usize,
     protected: usize,
@@ -372,6 +394,8 @@ pub struct RadixCache {
     miss: u64,
     /// The extra page spaces of a hybrid model (sliding groups, state slots); None for a plain one.
     groups: Option<Box<Groups>>,
+    /// Priorities, expiries, pins and their counters (see `retention`).
+    ret: Retention,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -440,6 +464,7 @@ impl RadixCache {
             hit: 0,
             miss: 0,
             groups: None,
+            ret: Retention::default(),
         })
     }
 
@@ -551,7 +576,7 @@ impl RadixCache {
 
     fn is_evictable_leaf(&self, id: u32) -> bool {
         let n = self.node(id);
-        n.live && !n.key().is_empty() && n.children.is_empty() && n.lock == 0
+        n.live && !n.key().is_empty() && n.children.is_empty() && n.lock == 0 && n.ret.pins == 0
     }
 
     /// Puts `id` in or out of the LRU set after its children, lock or access time changed.
@@ -559,11 +584,11 @@ impl RadixCache {
         let want = self.is_evictable_leaf(id);
         let n = &mut self.nodes[id as usize];
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
+            self.lru.remove(&lru_key(n, id));
         }
         n.in_lru = want;
         if want {
-            self.lru.insert((n.last_access, id));
+            self.lru.insert(lru_key(n, id));
         }
     }
 
@@ -573,10 +598,11 @@ impl RadixCache {
             return;
         }
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
-            self.lru.insert((clock, id));
+            self.lru.remove(&lru_key(n, id));
+            self.lru.insert((n.ret.priority, clock, id));
         }
         n.last_access = clock;
+        self.hit_retention(id);
     }
 
     /// Splits `child` after `m` tokens (a positive multiple of the page size below its length).
@@ -585,7 +611,7 @@ impl RadixCache {
         let ps = self.page_size;
         let shape = self.shape();
         let c = &mut self.nodes[child as usize];
-        let (parent, lock, last_access) = (c.parent, c.lock, c.last_access);
+        let (parent, lock, last_access, ret) = (c.parent, c.lock, c.last_access, c.ret.head());
         // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
         let old = std::mem::take(&mut c.data);
         let (key, pages) = old.split_at(c.key_len as usize);
@@ -608,9 +634,11 @@ impl RadixCache {
             lock,
             last_access,
             extra,
+            ret,
             ..Node::default()
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
+        self.on_split(mid);
         self.node_mut(child).parent = mid;
         self.node_mut(parent).children.replace(first, child, mid);
         mid
@@ -767,10 +795,12 @@ impl RadixCache {
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
+        let retain = self.ret.take_pending();
         // The whole nodes walked: `last` and its ancestors below the namespace root.
         let mut id = last;
         while id != NONE && Some(id) != root {
             self.touch(id, clock);
+            self.retain(id, retain);
             id = self.node(id).parent;
         }
         let mut parent = if last != NONE {
@@ -781,6 +811,7 @@ impl RadixCache {
         if let Some((child, m)) = partial {
             parent = self.split(child, m);
             self.touch(parent, clock);
+            self.retain(parent, retain);
         }
         if pos == aligned {
             return Ok((pos, parent));
@@ -802,6 +833,7 @@ impl RadixCache {
         let taken = taken.iter().map(|p| p.to_i64() as i32);
         let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
+        self.retain(leaf, retain);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -827,8 +859,10 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock += 1;
             if n.lock == 1 {
-                self.evictable -= n.key().len();
-                self.protected += n.key().len();
+                if n.ret.pins == 0 {
+                    self.evictable -= n.key().len();
+                    self.protected += n.key().len();
+                }
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -852,8 +886,10 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock -= 1;
             if n.lock == 0 {
-                self.protected -= n.key().len();
-                self.evictable += n.key().len();
+                if n.ret.pins == 0 {
+                    self.protected -= n.key().len();
+                    self.evictable += n.key().len();
+                }
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -863,14 +899,15 @@ impl RadixCache {
 
     /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
     /// once all their children are gone. Changes nothing; stops early when the goal is reached.
-    fn plan(&self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
+    fn plan(&mut self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
+        self.expire();
         let mut plan = Plan {
             order: Vec::new(),
             tokens: 0,
             freed_pages: 0,
         };
         let mut leaves = self.lru.iter().copied().peekable();
-        let mut exposed: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+        let mut exposed: BinaryHeap<Reverse<EvictKey>> = BinaryHeap::new();
         let mut gone: HashMap<u32, usize> = HashMap::new();
         // With no cached page shared, every evicted page is freed: no need to look at each.
         let exact = alloc.shared_cached() == 0;
@@ -890,7 +927,7 @@ impl RadixCache {
                 (None, Some(_)) => exposed.pop().map(|r| r.0),
                 (None, None) => None,
             };
-            let Some((_, id)) = next else { break };
+            let Some((_, _, id)) = next else { break };
             let n = self.node(id);
             plan.order.push(id);
             plan.tokens += n.key().len();
@@ -901,11 +938,11 @@ impl RadixCache {
                 _ => n.pages().iter().filter(|&&p| alloc.only_cached(p)).count(),
             };
             let parent = self.node(n.parent);
-            if !parent.key().is_empty() && parent.lock == 0 {
+            if !parent.key().is_empty() && parent.lock == 0 && parent.ret.pins == 0 {
                 let g = gone.entry(n.parent).or_insert(0);
                 *g += 1;
                 if *g == parent.children.len() {
-                    exposed.push(Reverse((parent.last_access, n.parent)));
+                    exposed.push(Reverse(lru_key(parent, n.parent)));
                 }
             }
         }
@@ -925,8 +962,10 @@ impl RadixCache {
     ) {
         let n = &self.nodes[id as usize];
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
+            self.lru.remove(&lru_key(n, id));
         }
+        self.on_evict(id);
+        let n = &self.nodes[id as usize];
         alloc.release_cached_into(n.pages(), out, want);
         if !n.extra.is_empty() {
             self.release_extra(id, others);
@@ -1103,6 +1142,7 @@ impl RadixCache {
         }
         let mut fresh = Self::new(alloc, self.page_size)?;
         fresh.groups = self.groups.take();
+        fresh.ret = self.ret.after_reset();
         *self = fresh;
         Ok(())
     }
@@ -1200,13 +1240,13 @@ impl RadixCache {
             if !parent.key().is_empty() && parent.last_access < n.last_access {
                 return bad(format!("node {id} accessed after its parent"));
             }
-            if n.lock == 0 {
+            if n.lock == 0 && n.ret.pins == 0 {
                 evictable += n.key().len();
             } else {
                 protected += n.key().len();
             }
             if n.in_lru != self.is_evictable_leaf(id)
-                || (n.in_lru && !self.lru.contains(&(n.last_access, id)))
+                || (n.in_lru && !self.lru.contains(&lru_key(n, id)))
             {
                 return bad(format!("node {id}: LRU membership wrong"));
             }
@@ -1241,6 +1281,7 @@ impl RadixCache {
         if in_lru != self.lru.len() {
             return bad("stale LRU entries".into());
         }
+        self.check_retention()?;
         for (ns, &r) in &self.roots {
             if self.node(r).ns.as_deref() != Some(&ns[..]) {
                 return bad(format!("root {r} has the wrong namespace"));
