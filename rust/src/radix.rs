@@ -102,7 +102,7 @@ pub enum RadixError {
     BadPriority { value: i64 },
     #[error("`retention_s` = {value}: a retention is a number of seconds >= 0 (None: no decay)")]
     BadRetention { value: String },
-    #[error("clock reading `{value}` is not a finite number of seconds")]
+    #[error("the clock (`now`) read `{value}`: not a finite number of seconds")]
     BadTime { value: String },
     #[error("unpin of node `{node}`, which holds no pin (each unpin must match one pin of the same handle)")]
     NotPinned { node: u32 },

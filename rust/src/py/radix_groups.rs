@@ -17,7 +17,7 @@ use super::super::error::{to_py, InvalidArgumentError};
 use super::super::state::PyStateSlotAllocator;
 use super::{namespace, PyRadixCache, PyRadixNode};
 use crate::alloc::{AllocError, PageAllocator};
-use crate::radix::{Others, RadixCache, RadixError};
+use crate::radix::{Others, RadixCache, RadixError, Retain};
 
 /// The extra page spaces of a hybrid cache, as the binding holds them.
 pub(super) struct Groups {
@@ -217,7 +217,9 @@ impl PyRadixCache {
         let tokens = arr.tokens("tokens")?;
         let long = tokens.len() >= DETACH_MIN;
         let tokens = detachable(tokens, long)?;
+        let t = self.time(py)?;
         let m = with_lock(py, &self.cache, long, |c| {
+            c.set_now(t);
             c.match_prefix_groups(&ns, &tokens)
         });
         let sliding = m
@@ -241,8 +243,7 @@ impl PyRadixCache {
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         ns: Option<&Bound<'_, PyAny>>,
-        sliding_pages: Option<Vec<Bound<'_, PyAny>>>,
-        state_slot: Option<Int>,
+        (sliding_pages, state_slot, retain): (Option<Vec<Bound<'_, PyAny>>>, Option<Int>, Retain),
     ) -> PyResult<usize> {
         let ns = namespace(ns)?;
         let state = state_slot
@@ -294,8 +295,10 @@ impl PyRadixCache {
         );
         let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
         let sl: Vec<&[i32]> = sl.iter().map(|p| &p[..]).collect();
+        let t = self.time(py)?;
         self.with_spaces(py, long, |c, a, o| {
-            c.insert_groups(a, o, &ns, &toks, &parts, &sl, state)
+            c.set_now(t);
+            c.insert_groups_retained(a, o, &ns, &toks, &parts, &sl, state, retain)
         })
         .map_err(to_py)
     }
@@ -308,7 +311,9 @@ impl PyRadixCache {
         n: &Int,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", n)?;
+        let t = self.time(py)?;
         let r = self.with_spaces(py, n >= DETACH_MIN, |c, a, o| {
+            c.set_now(t);
             let pages = c.alloc_group_with(a, o, group, n)?;
             let mut gens = Vec::new();
             let space = match group {
