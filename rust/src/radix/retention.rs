@@ -12,10 +12,13 @@
 //! **Eviction order.** The evictable leaves are kept in one ordered set keyed by
 //! `(current priority, last access, slot)`: eviction takes the lowest priority first and the least
 //! recently used within one priority, at O(log leaves) per node (no heap is rebuilt). The nodes
-//! whose priority will decay sit in a second ordered set keyed by `(expiry time, slot)`; before
-//! every eviction plan the expired ones are popped and re-keyed at priority 0 (O(log n) each, once
-//! per expiry), and a hit on an expired node decays it instead of renewing it, so a node's
-//! priority is always the one its last hit and the clock give.
+//! whose priority will decay sit in a second ordered set keyed by `(time, slot)`, one entry per
+//! node at a time no later than its expiry: a hit that renews a retention only moves the node's
+//! expiry (O(1), the entry stays), and only an expiry moved earlier moves the entry. Before every
+//! eviction plan the entries whose time has come are popped: a node whose expiry moved on since is
+//! filed again at its expiry, the others decay and are re-keyed at priority 0 (O(log n) each). A
+//! hit on an expired node decays it instead of renewing it, so a node's priority is always the one
+//! its last hit and the clock give.
 //!
 //! **Pins.** `pin(node)` protects the path from the node to its root from eviction until
 //! `unpin(node)`, across requests, like a lock but counted apart from locks. Pinned tokens are the
@@ -140,6 +143,8 @@ pub(super) struct NodeRet {
     /// Absolute time the priority decays (infinity: never); in the expiry index iff finite and
     /// `priority > 0`.
     expiry: f64,
+    /// The time of the node's expiry-index entry (`<= expiry`), while it has one.
+    indexed_at: f64,
     /// Pins on paths through this node (its own and its descendants').
     pub(super) pins: u32,
     /// Pins taken through a handle to this very node (what `unpin` may release).
@@ -298,15 +303,27 @@ impl RadixCache {
         r
     }
 
-    /// Moves node `id` in the expiry index from `old` to its current state.
+    /// Files node `id` in the expiry index after its state changed from `old`: an entry is
+    /// added, dropped, or moved only when the expiry moved before it (later is left to
+    /// [`expire`](Self::expire)).
     fn reindex(&mut self, id: u32, old: NodeRet) {
         let new = self.nodes[id as usize].ret;
-        if old.indexed() && (!new.indexed() || old.expiry != new.expiry) {
-            self.ret.expiry.remove(&(At(old.expiry), id));
+        match (old.indexed(), new.indexed()) {
+            (true, false) => {
+                self.ret.expiry.remove(&(At(old.indexed_at), id));
+            }
+            (false, true) => self.file(id, new.expiry),
+            (true, true) if new.expiry < old.indexed_at => {
+                self.ret.expiry.remove(&(At(old.indexed_at), id));
+                self.file(id, new.expiry);
+            }
+            _ => {}
         }
-        if new.indexed() && (!old.indexed() || old.expiry != new.expiry) {
-            self.ret.expiry.insert((At(new.expiry), id));
-        }
+    }
+
+    fn file(&mut self, id: u32, at: f64) {
+        self.ret.expiry.insert((At(at), id));
+        self.nodes[id as usize].ret.indexed_at = at;
     }
 
     /// Sets node `id`'s priority, re-keying it in the evictable set.
@@ -325,21 +342,31 @@ impl RadixCache {
         }
     }
 
-    /// Decays node `id` to priority 0 (its retention ran out).
-    fn decay(&mut self, id: u32) {
-        let old = self.nodes[id as usize].ret;
+    /// Decays node `id` to priority 0 (its retention ran out); `filed`: it still has its
+    /// expiry-index entry.
+    fn decay(&mut self, id: u32, filed: bool) {
+        let r = self.nodes[id as usize].ret;
+        if filed {
+            self.ret.expiry.remove(&(At(r.indexed_at), id));
+        }
         self.set_priority(id, 0);
-        self.reindex(id, old);
         self.ret.expiries += 1;
     }
 
     /// Decays every node whose retention ran out by now (before an eviction plan).
     pub(super) fn expire(&mut self) {
+        let now = self.ret.now;
         while let Some(&(At(t), id)) = self.ret.expiry.first() {
-            if t > self.ret.now {
+            if t > now {
                 break;
             }
-            self.decay(id);
+            self.ret.expiry.pop_first();
+            let expiry = self.nodes[id as usize].ret.expiry;
+            if expiry > now {
+                self.file(id, expiry); // renewed since it was filed
+            } else {
+                self.decay(id, false);
+            }
         }
     }
 
@@ -351,11 +378,11 @@ impl RadixCache {
             return;
         }
         if r.expiry <= self.ret.now {
-            self.decay(id);
+            self.decay(id, true);
             return;
         }
+        // (later than before: the index entry stays, see `reindex`)
         self.nodes[id as usize].ret.expiry = self.ret.now + r.retention;
-        self.reindex(id, r);
     }
 
     /// An insert's `retain` on node `id` (after its hit): see the module text.
@@ -389,7 +416,7 @@ impl RadixCache {
         self.ret.evicted[r.priority as usize] += len;
         self.ret.evicted_nodes += 1;
         if r.indexed() {
-            self.ret.expiry.remove(&(At(r.expiry), id));
+            self.ret.expiry.remove(&(At(r.indexed_at), id));
         }
     }
 
@@ -397,7 +424,7 @@ impl RadixCache {
     pub(super) fn on_split(&mut self, head: u32) {
         let r = self.nodes[head as usize].ret;
         if r.indexed() {
-            self.ret.expiry.insert((At(r.expiry), head));
+            self.file(head, r.expiry);
         }
     }
 
@@ -532,8 +559,9 @@ impl RadixCache {
             }
             if n.ret.indexed() {
                 indexed += 1;
-                if !self.ret.expiry.contains(&(At(n.ret.expiry), id)) {
-                    return bad(format!("node {id}: missing from the expiry index"));
+                let r = n.ret;
+                if !self.ret.expiry.contains(&(At(r.indexed_at), id)) || r.indexed_at > r.expiry {
+                    return bad(format!("node {id}: missing from the expiry index, or late"));
                 }
             }
         }
