@@ -7,10 +7,9 @@ and ages out by LRU once it expired.
 
 import math
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import (
     InvalidArgumentError,
     LockError,
