@@ -596,7 +596,7 @@ class RadixCache:
     def try_alloc(self, n: int) -> _Int32Array | None:
         """As ``alloc``, but returns None instead of raising ``OutOfPagesError``."""
     def reset(self) -> None:
-        """Empties the cache and zeroes the counters; every handle becomes stale.
+        """Empties the cache and zeroes the counters (pins are dropped); every handle becomes stale.
 
         Raises
         ------
@@ -615,10 +615,10 @@ class RadixCache:
         """Tokens per page."""
     @property
     def evictable_size(self) -> int:
-        """Cached tokens no lock protects."""
+        """Cached tokens no lock or pin protects."""
     @property
     def protected_size(self) -> int:
-        """Cached tokens on locked paths."""
+        """Cached tokens on locked or pinned paths."""
     @property
     def total_size(self) -> int:
         """All cached tokens (``evictable_size + protected_size``)."""

@@ -471,11 +471,11 @@ impl RadixCache {
     pub const fn page_size(&self) -> usize {
         self.page_size
     }
-    /// Cached tokens no lock protects.
+    /// Cached tokens no lock or pin protects.
     pub const fn evictable_size(&self) -> usize {
         self.evictable
     }
-    /// Cached tokens on locked paths.
+    /// Cached tokens on locked or pinned paths.
     pub const fn protected_size(&self) -> usize {
         self.protected
     }

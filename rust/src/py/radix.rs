@@ -530,7 +530,7 @@ impl PyRadixCache {
         self.take(py, &n, true)
     }
 
-    /// Empties the cache and zeroes the counters; every handle becomes stale.
+    /// Empties the cache and zeroes the counters (pins are dropped); every handle becomes stale.
     ///
     /// Raises
     /// ------
@@ -586,12 +586,12 @@ impl PyRadixCache {
     fn page_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.page_size())
     }
-    /// Cached tokens no lock protects.
+    /// Cached tokens no lock or pin protects.
     #[getter]
     fn evictable_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.evictable_size())
     }
-    /// Cached tokens on locked paths.
+    /// Cached tokens on locked or pinned paths.
     #[getter]
     fn protected_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.protected_size())
