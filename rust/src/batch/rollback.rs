@@ -144,7 +144,11 @@ mod tests {
                     let table: Vec<i32> = (0..2 * w as i32).map(|x| x + 1).collect();
                     let (seq, acc) = ([s, 12 - s], [a, 12 - s]);
                     let (free, lens) = rollback_slots(&table, w, &seq, &acc, ps, None).unwrap();
-                    assert_eq!(free, reference(&table, w, &seq, &acc, ps), "ps {ps} s {s} a {a}");
+                    assert_eq!(
+                        free,
+                        reference(&table, w, &seq, &acc, ps),
+                        "ps {ps} s {s} a {a}"
+                    );
                     assert_eq!(lens, vec![a as i32, 12 - s as i32]);
                 }
             }
@@ -156,17 +160,29 @@ mod tests {
         let t = [1, 2, 3, 0];
         let e = |r: Result<_, BatchError>| r.unwrap_err().to_string();
         let msg = e(rollback_slots(&t, 2, &[4, 1], &[5, 1], 2, None));
-        assert!(msg.contains("`accepted_lens[0]` = 5") && msg.contains("`seq_lens[0]` = 4"), "{msg}");
+        assert!(
+            msg.contains("`accepted_lens[0]` = 5") && msg.contains("`seq_lens[0]` = 4"),
+            "{msg}"
+        );
         let msg = e(rollback_slots(&t, 2, &[4, 1], &[2, -1], 2, None));
-        assert!(msg.contains("`accepted_lens[1]` is negative: `-1`"), "{msg}");
+        assert!(
+            msg.contains("`accepted_lens[1]` is negative: `-1`"),
+            "{msg}"
+        );
         let msg = e(rollback_slots(&t, 2, &[4, 1], &[2, 1], 2, Some(&[3, 0])));
         assert!(msg.contains("`cached_lens[0]` = 3"), "{msg}");
         let msg = e(rollback_slots(&t, 2, &[4, 4], &[2, 0], 2, None));
-        assert!(msg.contains("page_table[1, 1]") && msg.contains("`0`"), "{msg}");
+        assert!(
+            msg.contains("page_table[1, 1]") && msg.contains("`0`"),
+            "{msg}"
+        );
         let msg = e(rollback_slots(&t, 2, &[5, 1], &[2, 1], 2, None));
         assert!(msg.contains("max_pages"), "{msg}");
         let msg = e(rollback_slots(&t, 2, &[4], &[2], 2, None));
         assert!(msg.contains("page_table"), "{msg}");
-        assert_eq!(rollback_slots(&t, 2, &[4, 1], &[2, 1], 0, None), Err(BatchError::ZeroPageSize));
+        assert_eq!(
+            rollback_slots(&t, 2, &[4, 1], &[2, 1], 0, None),
+            Err(BatchError::ZeroPageSize)
+        );
     }
 }

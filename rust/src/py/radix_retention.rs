@@ -31,7 +31,10 @@ impl Clock {
             Some(f) if f.is_callable() => Ok(Self::Callable(f.unbind())),
             Some(f) => Err(PyTypeError::new_err(format!(
                 "`now` must be a callable returning seconds (e.g. time.monotonic), got `{}`",
-                f.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                f.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
             ))),
         }
     }
@@ -45,10 +48,7 @@ impl Clock {
                 v.extract::<f64>(py).map_err(|_| {
                     PyTypeError::new_err(format!(
                         "`now()` must return seconds as a float, got `{}`",
-                        v.bind(py)
-                            .repr()
-                            .map(|r| r.to_string())
-                            .unwrap_or_default()
+                        v.bind(py).repr().map(|r| r.to_string()).unwrap_or_default()
                     ))
                 })?
             }
@@ -58,7 +58,10 @@ impl Clock {
 }
 
 /// `priority=` / `retention_s=` of `insert` as a core [`Retain`].
-pub(super) fn retain(priority: Option<&Bound<'_, PyAny>>, retention_s: Option<f64>) -> PyResult<Retain> {
+pub(super) fn retain(
+    priority: Option<&Bound<'_, PyAny>>,
+    retention_s: Option<f64>,
+) -> PyResult<Retain> {
     let p = match priority.filter(|p| !p.is_none()) {
         None => 0,
         Some(p) => match p.extract::<i64>() {
@@ -88,8 +91,14 @@ impl PyRadixCache {
 
     pub(super) fn pin_node(&self, py: Python<'_>, node: &PyRadixNode, on: bool) -> PyResult<()> {
         let h = node.0;
-        with_lock(py, &self.cache, false, |c| if on { c.pin(h) } else { c.unpin(h) })
-            .map_err(to_py)
+        with_lock(py, &self.cache, false, |c| {
+            if on {
+                c.pin(h)
+            } else {
+                c.unpin(h)
+            }
+        })
+        .map_err(to_py)
     }
 
     pub(super) fn stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -118,7 +127,13 @@ impl PyRadixCache {
         d.set_item("max_pinned_tokens", s.max_pinned_tokens)?;
         d.set_item("retention_expiries", s.retention_expiries)?;
         d.set_item("retained_nodes", s.retained_nodes)?;
-        let names = ["hit_tokens", "miss_tokens", "evictable_size", "protected_size", "total_size"];
+        let names = [
+            "hit_tokens",
+            "miss_tokens",
+            "evictable_size",
+            "protected_size",
+            "total_size",
+        ];
         for (k, v) in names.iter().zip(sizes) {
             d.set_item(k, v)?;
         }

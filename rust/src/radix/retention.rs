@@ -531,7 +531,11 @@ impl RadixCache {
     /// [`RadixError::StaleHandle`].
     pub fn priority(&self, h: super::Handle) -> Result<u8, RadixError> {
         let r = self.node(self.resolve(h)?).ret;
-        Ok(if r.expiry <= self.ret.now { 0 } else { r.priority })
+        Ok(if r.expiry <= self.ret.now {
+            0
+        } else {
+            r.priority
+        })
     }
 
     /// The retention invariants (part of [`check_invariants`](Self::check_invariants)).

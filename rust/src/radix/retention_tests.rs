@@ -16,14 +16,19 @@ fn at(c: &mut RadixCache, t: f64) {
 fn put(a: &mut PageAllocator, c: &mut RadixCache, tokens: &[i32], retain: Retain) -> Handle {
     let ns = Namespace::none();
     let p = c.alloc(a, tokens.len().div_ceil(c.page_size())).unwrap();
-    c.insert_parts_retained(a, &ns, tokens, &[&p[..]], retain).unwrap();
+    c.insert_parts_retained(a, &ns, tokens, &[&p[..]], retain)
+        .unwrap();
     a.free(&p).unwrap();
     c.check_invariants(a).unwrap();
     c.match_prefix(&ns, tokens).node
 }
 
 fn cached(c: &RadixCache) -> Vec<Vec<i32>> {
-    let mut v: Vec<Vec<i32>> = c.leaf_paths(&Namespace::none()).into_iter().map(|(t, _)| t).collect();
+    let mut v: Vec<Vec<i32>> = c
+        .leaf_paths(&Namespace::none())
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
     v.sort();
     v
 }
@@ -145,14 +150,27 @@ fn pins_are_budgeted_and_never_evicted() {
     let e = c.pin(hc).unwrap_err();
     assert_eq!(
         e,
-        RadixError::PinBudget { node: hc.node().get(), tokens: 1, pinned: 4, max: 4 }
+        RadixError::PinBudget {
+            node: hc.node().get(),
+            tokens: 1,
+            pinned: 4,
+            max: 4
+        }
     );
     assert!(e.to_string().contains("`max_pinned_tokens` = 4"));
-    assert_eq!(before, (c.pinned_tokens(), c.protected_size(), c.evictable_size()));
+    assert_eq!(
+        before,
+        (c.pinned_tokens(), c.protected_size(), c.evictable_size())
+    );
     // Locks and pins are separate counts.
     c.lock(hb).unwrap();
     c.unpin(hb).unwrap();
-    assert_eq!(c.unpin(hb), Err(RadixError::NotPinned { node: hb.node().get() }));
+    assert_eq!(
+        c.unpin(hb),
+        Err(RadixError::NotPinned {
+            node: hb.node().get()
+        })
+    );
     assert_eq!(c.protected_size(), 4);
     c.unlock(hb).unwrap();
     // Everything evictable goes; the pinned path stays, and alloc counts only what can go.
@@ -161,7 +179,10 @@ fn pins_are_budgeted_and_never_evicted() {
     let free = a.num_free();
     assert!(matches!(
         c.alloc(&mut a, free + 1),
-        Err(RadixError::Page(AllocError::OutOfPages { evictable: 0, .. }))
+        Err(RadixError::Page(AllocError::OutOfPages {
+            evictable: 0,
+            ..
+        }))
     ));
     c.unpin(ha).unwrap();
     c.unpin(ha).unwrap();
@@ -176,14 +197,39 @@ fn stale_handles_and_bad_values_change_nothing() {
     let mut c = c.with_max_pinned_tokens(10);
     let h = put(&mut a, &mut c, &[1, 2], Retain::NONE);
     c.evict(&mut a, 10).unwrap();
-    assert_eq!(c.pin(h), Err(RadixError::StaleHandle { node: h.node().get() }));
-    assert_eq!(c.unpin(h), Err(RadixError::StaleHandle { node: h.node().get() }));
-    assert_eq!(Retain::new(101, None), Err(RadixError::BadPriority { value: 101 }));
-    assert_eq!(Retain::new(-1, None), Err(RadixError::BadPriority { value: -1 }));
-    assert!(matches!(Retain::new(5, Some(-0.5)), Err(RadixError::BadRetention { .. })));
-    assert!(matches!(Retain::new(5, Some(f64::NAN)), Err(RadixError::BadRetention { .. })));
+    assert_eq!(
+        c.pin(h),
+        Err(RadixError::StaleHandle {
+            node: h.node().get()
+        })
+    );
+    assert_eq!(
+        c.unpin(h),
+        Err(RadixError::StaleHandle {
+            node: h.node().get()
+        })
+    );
+    assert_eq!(
+        Retain::new(101, None),
+        Err(RadixError::BadPriority { value: 101 })
+    );
+    assert_eq!(
+        Retain::new(-1, None),
+        Err(RadixError::BadPriority { value: -1 })
+    );
+    assert!(matches!(
+        Retain::new(5, Some(-0.5)),
+        Err(RadixError::BadRetention { .. })
+    ));
+    assert!(matches!(
+        Retain::new(5, Some(f64::NAN)),
+        Err(RadixError::BadRetention { .. })
+    ));
     assert!(Retain::new(5, Some(f64::INFINITY)).is_ok());
-    assert!(matches!(Seconds::new(f64::NAN), Err(RadixError::BadTime { .. })));
+    assert!(matches!(
+        Seconds::new(f64::NAN),
+        Err(RadixError::BadTime { .. })
+    ));
     assert_eq!(c.stats().pinned_tokens, 0);
 }
 
@@ -197,7 +243,10 @@ fn the_clock_never_runs_backwards_and_reset_keeps_config() {
     let h = put(&mut a, &mut c, &[1], r(10, Some(1.0)));
     c.pin(h).unwrap();
     c.reset(&mut a).unwrap(); // pins are the cache's: reset drops them
-    assert_eq!((c.now(), c.max_pinned_tokens(), c.pinned_tokens()), (50.0, 3, 0));
+    assert_eq!(
+        (c.now(), c.max_pinned_tokens(), c.pinned_tokens()),
+        (50.0, 3, 0)
+    );
     assert_eq!(a.num_free(), 8);
     c.check_invariants(&a).unwrap();
 }
@@ -248,7 +297,8 @@ fn eviction_order_matches_a_reference() {
             let p = (next() % 4) as i64 * 30;
             let ret = (next() % 20) as f64;
             let pg = a.alloc(1).unwrap();
-            c.insert_parts_retained(&mut a, &ns, &[tok], &[&pg[..]], r(p, Some(ret))).unwrap();
+            c.insert_parts_retained(&mut a, &ns, &[tok], &[&pg[..]], r(p, Some(ret)))
+                .unwrap();
             a.free(&pg).unwrap();
             let exp = if p > 0 { t + ret } else { 0.0 };
             model.insert(tok, (p as u8, exp, ret, tick));
