@@ -582,8 +582,9 @@ class RadixCache:
         ({priority: tokens}), ``pinned_tokens``, ``max_pinned_tokens``, ``retention_expiries``,
         ``retained_nodes``, and the hit/miss/size properties."""
     def evict(self, num_tokens: int) -> int:
-        """Evicts least-recently-used unlocked leaves (then their parents) until ``num_tokens``
-        tokens left the cache or nothing evictable is left; returns the tokens evicted (whole
+        """Evicts unlocked, unpinned leaves (then their parents), lowest current priority first
+        and least recently used within one, until ``num_tokens`` tokens left the cache or
+        nothing evictable is left; returns the tokens evicted (whole
         nodes, so possibly more than asked)."""
     def alloc(self, n: int) -> _Int32Array:
         """Allocates ``n`` pages, evicting LRU entries first when fewer are free.

@@ -1003,7 +1003,8 @@ impl RadixCache {
         }
     }
 
-    /// Evicts least-recently-used unlocked leaves (then their parents) until at least
+    /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
+    /// least recently used within one priority (see `retention`), until at least
     /// `num_tokens` tokens left the tree or nothing evictable is left. Whole nodes go, so more
     /// than asked may be evicted. Returns the tokens evicted.
     ///

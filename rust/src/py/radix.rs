@@ -485,8 +485,9 @@ impl PyRadixCache {
         self.stats_dict(py)
     }
 
-    /// Evicts least-recently-used unlocked leaves (then their parents) until `num_tokens` tokens
-    /// left the cache or nothing evictable is left; returns the tokens evicted (whole nodes, so
+    /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
+    /// least recently used within one priority, until `num_tokens` tokens left the cache or
+    /// nothing evictable is left; returns the tokens evicted (whole nodes, so
     /// possibly more than asked). A hybrid cache releases every group's pages and state slots of
     /// the nodes it evicts.
     fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
