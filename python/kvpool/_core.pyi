@@ -1,5 +1,6 @@
 """Type stub of the native module ``kvpool._core`` (Rust, PyO3). Byte counts are ``int`` bytes."""
 
+from collections.abc import Callable
 from typing import Literal, TypeAlias, final
 
 import numpy as np
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidArgumentError",
     "StaleNodeError",
     "LockError",
+    "PinBudgetError",
     "CacheBusyError",
     "CacheCorruptError",
     "BatchError",
@@ -42,6 +44,7 @@ __all__ = [
     "decode_slots",
     "release_window_pages",
     "page_hashes",
+    "rollback_slots",
 ]
 
 KV_DTYPES: list[str]
@@ -211,6 +214,10 @@ class StaleNodeError(KeyError):
 
 class LockError(ValueError):
     """``unlock`` without a matching ``lock`` on the same node (the count would go below zero)."""
+
+class PinBudgetError(LockError):
+    """A ``pin`` that would take the pinned tokens beyond ``max_pinned_tokens`` (nothing
+    changed)."""
 
 class CacheBusyError(RuntimeError):
     """The cache cannot do this (``reset``) while locks are held."""
@@ -395,6 +402,13 @@ class RadixCache:
         (``take_demotions`` lists the copies to make), the host tier drops its own LRU entries
         when full, ``match_prefix_host`` finds host pages after the device match and
         ``load_back`` moves them back (see :mod:`kvpool.tier`).
+    max_pinned_tokens : int, default 0
+        The pin budget in tokens: ``pin`` beyond it raises ``PinBudgetError`` (0: no pins).
+    now : callable, optional
+        The clock, returning seconds (any origin), e.g. ``time.monotonic`` or a test's fake
+        clock; read before any lock is taken. Default: seconds since the cache was made, from
+        Rust's monotonic ``std::time::Instant``. An earlier reading than the latest counts as
+        the latest.
 
     Notes
     -----
@@ -429,6 +443,8 @@ class RadixCache:
         sliding: list[tuple[PageAllocator, int]] | None = None,
         state_slots: StateSlotAllocator | PageAllocator | None = None,
         host_allocator: PageAllocator | None = None,
+        max_pinned_tokens: int | None = None,
+        now: Callable[[], float] | None = None,
     ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
@@ -452,8 +468,15 @@ class RadixCache:
         *,
         sliding_pages: list[_IntArray] | None = None,
         state_slot: int | None = None,
+        priority: int | None = None,
+        retention_s: float | None = None,
     ) -> int:
         """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
+
+        ``priority`` (0..100, default 0) and ``retention_s`` (seconds, default None: no decay)
+        go to the nodes this call inserts or walks through, until ``retention_s`` after their
+        last hit; a lower priority never lowers a node's current one. Insert committed tokens
+        only (see ``rollback_slots``).
 
         ``pages`` has one id per page of ``tokens`` (``len(tokens) // page_size``, or one more
         for the partial last page, which is not cached). The cache takes a reference on the
@@ -542,9 +565,36 @@ class RadixCache:
         StaleNodeError
             The node is gone.
         """
+    def pin(self, node: RadixNode) -> None:
+        """Keeps the node's path in the cache across requests until ``unpin`` (apart from locks).
+
+        Raises
+        ------
+        PinBudgetError
+            The pinned tokens would exceed ``max_pinned_tokens``; nothing changed.
+        StaleNodeError
+            The node is gone.
+        InvalidArgumentError
+            The node is on the host tier (``load_back`` it first).
+        """
+    def unpin(self, node: RadixNode) -> None:
+        """Releases one ``pin`` of this very node.
+
+        Raises
+        ------
+        LockError
+            The node holds no pin of its own.
+        StaleNodeError
+            The node is gone.
+        """
+    def stats(self) -> dict[str, int | dict[int, int]]:
+        """Counters: ``evicted_tokens``, ``evicted_nodes``, ``evicted_tokens_by_priority``
+        ({priority: tokens}), ``pinned_tokens``, ``max_pinned_tokens``, ``retention_expiries``,
+        ``retained_nodes``, and the hit/miss/size properties."""
     def evict(self, num_tokens: int) -> int:
-        """Evicts least-recently-used unlocked leaves (then their parents) until ``num_tokens``
-        tokens left the cache or nothing evictable is left; returns the tokens evicted (whole
+        """Evicts unlocked, unpinned leaves (then their parents), lowest current priority first
+        and least recently used within one, until ``num_tokens`` tokens left the cache or
+        nothing evictable is left; returns the tokens evicted (whole
         nodes, so possibly more than asked)."""
     def alloc(self, n: int) -> _Int32Array:
         """Allocates ``n`` pages, evicting LRU entries first when fewer are free.
@@ -557,7 +607,7 @@ class RadixCache:
     def try_alloc(self, n: int) -> _Int32Array | None:
         """As ``alloc``, but returns None instead of raising ``OutOfPagesError``."""
     def reset(self) -> None:
-        """Empties the cache and zeroes the counters; every handle becomes stale.
+        """Empties the cache and zeroes the counters (pins are dropped); every handle becomes stale.
 
         Raises
         ------
@@ -576,10 +626,10 @@ class RadixCache:
         """Tokens per page."""
     @property
     def evictable_size(self) -> int:
-        """Cached tokens no lock protects."""
+        """Cached tokens no lock or pin protects."""
     @property
     def protected_size(self) -> int:
-        """Cached tokens on locked paths."""
+        """Cached tokens on locked or pinned paths."""
     @property
     def total_size(self) -> int:
         """All cached tokens (``evictable_size + protected_size``)."""
@@ -642,6 +692,12 @@ class RadixCache:
     @property
     def host_allocator(self) -> PageAllocator | None:
         """The host tier's allocator, or None."""
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens on pinned paths (each counted once)."""
+    @property
+    def max_pinned_tokens(self) -> int:
+        """The pin budget in tokens."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 
@@ -687,6 +743,25 @@ def decode_slots(
     page_table: _Int32Array, seq_lens: _IntArray, page_size: int, *, out: _Int32Array | None = None
 ) -> _Int32Array:
     """Slot of each request's last token (position ``seq_lens[i] - 1``) for a decode step."""
+
+def rollback_slots(
+    page_table: _Int32Array,
+    seq_lens: _IntArray,
+    accepted_lens: _IntArray,
+    page_size: int,
+    *,
+    cached_lens: _IntArray | None = None,
+) -> tuple[_Int32Array, _Int32Array]:
+    """Speculative-decoding rollback: ``(pages_to_free, new_seq_lens)``, the pages of entries
+    ``ceil(accepted / page_size) .. ceil(seq / page_size)`` of each row (int32, batch order)
+    and ``accepted_lens`` as int32. The table is only read.
+
+    Raises
+    ------
+    BatchError
+        ``accepted_lens[i] > seq_lens[i]``, ``accepted_lens[i] < cached_lens[i]``, a negative
+        length, a padding entry among those to free (nothing returned).
+    """
 
 def release_window_pages(
     allocator: PageAllocator,
