@@ -35,8 +35,10 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
+mod events;
 mod groups;
 mod namespace;
+pub use events::{EventCounts, KvEvent, Medium, MAX_PENDING_TOKENS};
 use groups::Groups;
 pub use groups::{GroupMatch, GroupPath, Others};
 pub use namespace::{Namespace, NamespaceBuilder};
@@ -372,6 +374,8 @@ pub struct RadixCache {
     miss: u64,
     /// The extra page spaces of a hybrid model (sliding groups, state slots); None for a plain one.
     groups: Option<Box<Groups>>,
+    /// KV events (page hashes, pending events); None while events are off (see `events`).
+    events: Option<Box<events::Events>>,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -440,6 +444,7 @@ impl RadixCache {
             hit: 0,
             miss: 0,
             groups: None,
+            events: None,
         })
     }
 
@@ -611,6 +616,7 @@ impl RadixCache {
             ..Node::default()
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
+        self.events_split(child, mid, m / ps);
         self.node_mut(child).parent = mid;
         self.node_mut(parent).children.replace(first, child, mid);
         mid
@@ -802,6 +808,7 @@ impl RadixCache {
         let taken = taken.iter().map(|p| p.to_i64() as i32);
         let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
+        self.events_stored(leaf, parent, ns, &tokens[pos..aligned]);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -923,6 +930,7 @@ impl RadixCache {
         out: &mut Vec<i32>,
         want: usize,
     ) {
+        self.events_removed(id);
         let n = &self.nodes[id as usize];
         if n.in_lru {
             self.lru.remove(&(n.last_access, id));
@@ -1103,6 +1111,7 @@ impl RadixCache {
         }
         let mut fresh = Self::new(alloc, self.page_size)?;
         fresh.groups = self.groups.take();
+        fresh.events = self.events_reset();
         *self = fresh;
         Ok(())
     }
@@ -1241,6 +1250,7 @@ impl RadixCache {
         if in_lru != self.lru.len() {
             return bad("stale LRU entries".into());
         }
+        self.check_events().map_err(RadixError::Corrupt)?;
         for (ns, &r) in &self.roots {
             if self.node(r).ns.as_deref() != Some(&ns[..]) {
                 return bad(format!("root {r} has the wrong namespace"));
