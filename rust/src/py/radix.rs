@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use numpy::PyArray1;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
 use super::array::{count, detachable, ints, page_array, Int};
@@ -18,6 +18,8 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
+#[path = "radix_events.rs"]
+mod events;
 #[path = "radix_groups.rs"]
 mod groups;
 use groups::Groups;
@@ -139,12 +141,21 @@ pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static,
 /// state_slots : StateSlotAllocator, optional
 ///     Hybrid models with linear-attention layers: the state-slot pool. Matches then end only at
 ///     states saved by `insert(..., state_slot=...)`.
+/// kv_events : bool, default False
+///     Record KV events for KV-aware routers (vLLM's `enable_kv_cache_events`): each cached page
+///     keeps its chained hash (`kvpool.page_hashes`) and every change of the cached pages is
+///     recorded in the call that makes it, for `take_kv_events` (see `kvpool.events`).
+/// hash_seed : int, default 0
+///     Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+///     only with `kv_events=True`.
 ///
 /// Raises
 /// ------
 /// InvalidArgumentError
 ///     A page size that differs from the allocator's, a window of 0, a sliding allocator of
-///     another page size, one allocator passed for two spaces.
+///     another page size, one allocator passed for two spaces, `hash_seed` without `kv_events`.
+/// ValueError
+///     `hash_seed` not an int in 0 .. 2**64 - 1.
 ///
 /// Notes
 /// -----
@@ -241,18 +252,21 @@ impl PyRadixCache {
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None))]
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, kv_events=false, hash_seed=None))]
     fn new(
         allocator: Bound<'_, PyPageAllocator>,
         page_size: Option<Int>,
         sliding: Option<Vec<(Bound<'_, PyPageAllocator>, Int)>>,
         state_slots: Option<Bound<'_, PyAny>>,
+        kv_events: bool,
+        hash_seed: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = allocator.py();
         let alloc = allocator.get().inner.clone();
         let groups = Groups::from_py(&alloc, sliding, state_slots)?;
         let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
-        let cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        let mut cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        events::configure(&mut cache, kv_events, hash_seed.as_ref())?;
         Ok(Self {
             alloc,
             allocator: allocator.unbind(),
@@ -520,6 +534,52 @@ impl PyRadixCache {
     #[getter]
     fn num_nodes(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.num_nodes())
+    }
+
+    // --- KV events (see `radix_events.rs`) ---
+
+    /// The KV events recorded since the last call, in order, as plain tuples (empty when the
+    /// cache was built without `kv_events=True`). Built after the cache's lock is released.
+    ///
+    /// Returns
+    /// -------
+    /// list of tuple
+    ///     ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+    ///     namespace)``: the uint64 hashes (list of int) of pages newly cached along one edge, the
+    ///     hash of the page before them (None for a namespace's first page), their token ids
+    ///     (``len(block_hashes) * block_size``), the page size, ``"GPU"``, and the namespace's
+    ///     canonical bytes on a namespace's first page (None otherwise and for the default
+    ///     namespace); ``("BlockRemoved", block_hashes, medium)``: pages evicted (merged over one
+    ///     call); ``("AllBlocksCleared",)``: `reset`. After more than 2**22 tokens of stored pages
+    ///     piled up untaken, the pending events are replaced by a snapshot (as
+    ///     `kv_events_snapshot`).
+    fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, false)
+    }
+
+    /// A full resync: ``("AllBlocksCleared",)`` followed by every cached page as ``BlockStored``
+    /// (one event per node, parents first), in the form of `take_kv_events`. Drops the pending
+    /// events, which the snapshot supersedes; empty when KV events are off.
+    fn kv_events_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, true)
+    }
+
+    /// What KV events recorded since the cache was built: a dict of ``events``,
+    /// ``blocks_stored``, ``blocks_removed`` (pages) and ``overflows`` (pending buffers replaced
+    /// by a snapshot); zeros when KV events are off.
+    fn kv_event_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.events_counts(py)
+    }
+
+    /// Whether the cache records KV events (`kv_events=True`).
+    #[getter]
+    fn kv_events(&self, py: Python<'_>) -> bool {
+        with_lock(py, &self.cache, false, |c| c.kv_events_enabled())
+    }
+    /// The seed of the page hashes, or None without KV events.
+    #[getter]
+    fn hash_seed(&self, py: Python<'_>) -> Option<u64> {
+        with_lock(py, &self.cache, false, |c| c.hash_seed())
     }
 
     // --- hybrid models (see `radix_groups.rs`) ---
