@@ -174,6 +174,11 @@ def plan(
 _Int32Array: TypeAlias = npt.NDArray[np.int32]
 _IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _Namespace: TypeAlias = None | int | str | bytes | tuple["_Namespace", ...]
+_KvEventTuple: TypeAlias = (
+    tuple[Literal["BlockStored"], list[int], int | None, list[int], int, str, bytes | None]
+    | tuple[Literal["BlockRemoved"], list[int], str]
+    | tuple[Literal["AllBlocksCleared"]]
+)
 
 
 # --- exceptions ----------------------------------------------------------------------------------
@@ -389,6 +394,13 @@ class RadixCache:
         Models with linear-attention layers: the state-slot pool. A match then needs a state
         saved exactly at its end (``insert(..., state_slot=...)`` at page-aligned points), so
         without checkpoints every match has length 0 (``has_state_slots`` says so).
+    kv_events : bool, default False
+        Record KV events for KV-aware routers (vLLM's ``enable_kv_cache_events``): each cached
+        page keeps its chained hash (``page_hashes``) and every change of the cached pages is
+        recorded in the call that makes it, for ``take_kv_events`` (see ``kvpool.events``).
+    hash_seed : int, default 0
+        Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+        only with ``kv_events=True`` (else ``InvalidArgumentError``).
 
     Notes
     -----
@@ -422,6 +434,8 @@ class RadixCache:
         *,
         sliding: list[tuple[PageAllocator, int]] | None = None,
         state_slots: StateSlotAllocator | PageAllocator | None = None,
+        kv_events: bool = False,
+        hash_seed: int | None = None,
     ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
@@ -585,6 +599,28 @@ class RadixCache:
     @property
     def num_nodes(self) -> int:
         """Nodes holding tokens."""
+    def take_kv_events(self) -> list[_KvEventTuple]:
+        """The KV events recorded since the last call, in order (empty without ``kv_events``).
+
+        ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+        namespace)``: uint64 hashes of pages newly cached along one edge, the hash of the page
+        before them (None for a namespace's first page), their token ids, the page size,
+        ``"GPU"``, the namespace's canonical bytes on a namespace's first page (else None);
+        ``("BlockRemoved", block_hashes, medium)``: pages evicted (merged over one call);
+        ``("AllBlocksCleared",)``: ``reset``. More than 2**22 tokens of stored pages left untaken
+        are replaced by a snapshot. Built after the cache's lock is released.
+        """
+    def kv_events_snapshot(self) -> list[_KvEventTuple]:
+        """``("AllBlocksCleared",)`` then every cached page as ``BlockStored`` (parents first);
+        drops the pending events."""
+    def kv_event_counts(self) -> dict[str, int]:
+        """``events``, ``blocks_stored``, ``blocks_removed``, ``overflows`` since the cache was built."""
+    @property
+    def kv_events(self) -> bool:
+        """Whether the cache records KV events."""
+    @property
+    def hash_seed(self) -> int | None:
+        """The seed of the page hashes, or None without KV events."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 
