@@ -131,7 +131,7 @@ def wire_event(event: Sequence[Any], event_format: str = "array") -> list[Any] |
         raise ValueError(f"not a kvpool KV event: {tuple(event)!r:.200}")
     if event_format == "array":
         return [kind, *fields]
-    return {"type": kind, **dict(zip(_FIELDS[kind], fields))}
+    return {"type": kind, **dict(zip(_FIELDS[kind], fields, strict=False))}
 
 
 def encode_batch(
@@ -183,7 +183,7 @@ def decode_payload(payload: bytes) -> tuple[float, list[dict[str, Any]], int | N
         if isinstance(e, dict) and e.get("type") in _FIELDS:
             out.append(dict(e))
         elif isinstance(e, list) and e and e[0] in _FIELDS:
-            out.append({"type": e[0], **dict(zip(_FIELDS[e[0]], e[1:]))})
+            out.append({"type": e[0], **dict(zip(_FIELDS[e[0]], e[1:], strict=False))})
         else:
             raise ValueError(f"unknown KV event {e!r:.200}")
     return float(obj[0]), out, (obj[2] if len(obj) == 3 else None)
@@ -355,8 +355,10 @@ class EventPublisher:
         return self._put(list(events), ts)
 
     def resync(self, cache: Any = None) -> bool:
-        """Publishes a full snapshot: ``AllBlocksCleared`` then every cached page as
-        ``BlockStored`` (``cache.kv_events_snapshot()``, which drops the cache's pending events).
+        """Publishes a full snapshot: ``AllBlocksCleared``, then every cached page.
+
+        The snapshot is ``cache.kv_events_snapshot()`` (every page as ``BlockStored``), which
+        drops the cache's pending events.
 
         Parameters
         ----------
