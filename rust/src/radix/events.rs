@@ -344,13 +344,16 @@ impl RadixCache {
         });
     }
 
-    /// Hook of `reset`: the event state for the emptied cache (with `AllBlocksCleared` pending).
+    /// Hook of `reset`: the event state for the emptied cache (`AllBlocksCleared` appended to the
+    /// pending events).
     pub(super) fn events_reset(&mut self) -> Option<Box<Events>> {
         let mut ev = self.events.take()?;
         ev.hashes.clear();
-        ev.pending.clear();
-        ev.pending_tokens = 0;
-        ev.overflowed = false;
+        if ev.overflowed {
+            // (the snapshot a take would send is now empty: the clear says it all)
+            ev.overflowed = false;
+            ev.pending_tokens = 0;
+        }
         ev.counts.events += 1;
         ev.pending.push(KvEvent::AllBlocksCleared);
         Some(ev)
