@@ -1,9 +1,8 @@
 """PageAllocator and the batch helpers (page table, slots) through the Python API."""
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 from kvpool import (
     ArrayTypeError,
     BatchError,

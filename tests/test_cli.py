@@ -3,9 +3,8 @@ import struct
 import subprocess
 import sys
 
-import pytest
-
 import kvpool
+import pytest
 from kvpool.cli import main
 
 GIB = 1 << 30

@@ -10,10 +10,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import kvpool
 import numpy as np
 import pytest
-
-import kvpool
 
 PKG_ROOT = str(Path(kvpool.__file__).resolve().parent.parent)
 
@@ -387,9 +386,8 @@ def test_a_million_per_head_scales_load_in_one_pass(tmp_path):
     import warnings
 
     torch = pytest.importorskip("torch")
-    from safetensors.torch import save_file
-
     from kvpool.scales import read_checkpoint_scales
+    from safetensors.torch import save_file
 
     t = torch.rand(10**6) + 0.5
     t[123_456] = 3.0

@@ -464,3 +464,29 @@ def test_metrics_dict_and_prometheus():
     assert 'kvpool:kv_cache_usage_perc{engine="0"} 0.0' in text
     assert 'kvpool:evicted_blocks_total{engine="0"} 2.0' in text
     pub.close()
+
+
+@pytest.mark.parametrize("fmt", ["array", "map"])
+def test_packed_in_rust_equals_the_python_encoding(fmt):
+    rng = np.random.default_rng(5)
+    caches = [cache_with(ps=2, pages=40) for _ in range(2)]
+    for _ in range(60):  # the same operations on both caches
+        toks = rng.integers(0, 4, int(rng.integers(0, 12))).tolist()
+        ns = [None, "x", ("lora", 2)][int(rng.integers(3))]
+        for a, c in caches:
+            insert(a, c, toks, ns)
+        if rng.random() < 0.2:
+            for _, c in caches:
+                c.evict(6)
+    (_, c1), (_, c2) = caches
+    tuples = c1.take_kv_events()
+    packed, n, stored, removed = c2.take_kv_events_packed(fmt)
+    assert n == len(tuples) > 10
+    assert stored == sum(len(e[1]) for e in tuples if e[0] == "BlockStored")
+    assert removed == sum(len(e[1]) for e in tuples if e[0] == "BlockRemoved") > 0
+    want = encode_batch(tuples, ts=TS, data_parallel_rank=0, event_format=fmt)
+    assert fixarray(3) + TS_BYTES + packed + b"\x00" == want
+    snap = encode_batch(c1.kv_events_snapshot(), ts=TS, event_format=fmt)
+    assert fixarray(3) + TS_BYTES + c2.take_kv_events_packed(fmt, snapshot=True)[0] + b"\x00" == snap
+    with pytest.raises(kvpool.InvalidArgumentError, match="event_format"):
+        c1.take_kv_events_packed("json")

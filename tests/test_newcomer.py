@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import kvpool
+import pytest
 from kvpool._cli_errors import for_cli
 from kvpool.cli import main
 

@@ -1,6 +1,5 @@
-import pytest
-
 import kvpool
+import pytest
 from kvpool.config import bundled_models
 
 torch = pytest.importorskip("torch")

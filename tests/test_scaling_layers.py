@@ -16,9 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 import kvpool
+import pytest
 
 PKG_ROOT = str(Path(kvpool.__file__).resolve().parent.parent)
 LAYERS = 65_536

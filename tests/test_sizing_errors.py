@@ -3,9 +3,8 @@
 import json
 import math
 
-import pytest
-
 import kvpool
+import pytest
 
 GIB = 1 << 30
 LLAMA = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,

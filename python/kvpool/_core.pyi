@@ -610,6 +610,15 @@ class RadixCache:
         ``("AllBlocksCleared",)``: ``reset``. More than 2**22 tokens of stored pages left untaken
         are replaced by a snapshot. Built after the cache's lock is released.
         """
+    def take_kv_events_packed(
+        self, event_format: Literal["array", "map"] = "array", *, snapshot: bool = False
+    ) -> tuple[bytes, int, int, int]:
+        """``take_kv_events`` (or with ``snapshot`` a snapshot) as vLLM's msgpack wire form.
+
+        Returns ``(events, n_events, blocks_stored, blocks_removed)``: the msgpack array of the
+        events (the second item of a batch payload), their count and the pages they announce as
+        stored / removed. Encoded in Rust after the lock is released.
+        """
     def kv_events_snapshot(self) -> list[_KvEventTuple]:
         """``("AllBlocksCleared",)`` then every cached page as ``BlockStored`` (parents first);
         drops the pending events."""

@@ -33,6 +33,8 @@ taken from it):
 - Replay: a ROUTER socket on ``replay_endpoint``; a client (DEALER, or REQ for one reply) sends
   ``[b"", start_seq as 8 bytes big-endian]`` and receives, per buffered batch with a sequence
   number >= start, ``[b"", seq, payload]``, then ``[b"", (-1 as 8 bytes big-endian signed), b""]``.
+  Its send high-water mark holds a whole buffer; a client that cannot take it gets a replay cut
+  short (no end marker: it asks again), never a stalled stream.
 
 The publisher never blocks the caller: ``publish`` only enqueues (a bounded queue; a full one
 drops the batch and marks the stream for a resync), a background thread encodes and sends with
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 import time
 from collections import deque
@@ -276,7 +279,7 @@ class EventPublisher:
         self.event_format = event_format
         self.cache = cache
         self._topic = topic.encode("utf-8")
-        self._queue: queue.Queue[tuple[float, list[Any]] | None] = queue.Queue(max_queue)
+        self._queue: queue.Queue[tuple[float, Any] | None] = queue.Queue(max_queue)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._needs_resync = False
@@ -301,6 +304,10 @@ class EventPublisher:
             if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # a whole buffer fits one replay; a full or gone client raises instead of
+                # losing messages silently (then that replay is cut short, never the stream)
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 2)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:
@@ -323,9 +330,11 @@ class EventPublisher:
 
         Parameters
         ----------
-        events : list of tuple, optional
-            ``cache.take_kv_events()``; default: taken from the ``cache`` given at construction.
-            An empty list publishes nothing.
+        events : list of tuple or tuple, optional
+            ``cache.take_kv_events()``, or ``cache.take_kv_events_packed(event_format)`` (the
+            events already encoded in Rust, in this publisher's format). Default: taken from the
+            ``cache`` given at construction, packed (no Python object per token). No events
+            publish nothing.
         ts : float, optional
             The batch's UNIX time; default now.
 
@@ -349,7 +358,9 @@ class EventPublisher:
         if events is None:
             if self.cache is None:
                 raise ValueError("publish() without events needs the `cache` of the publisher")
-            events = self.cache.take_kv_events()
+            events = self.cache.take_kv_events_packed(self.event_format)
+        if isinstance(events, tuple) and len(events) == 4 and isinstance(events[0], bytes):
+            return events[1] == 0 or self._put(events, ts)
         if not events:
             return True
         return self._put(list(events), ts)
@@ -379,16 +390,17 @@ class EventPublisher:
         if cache is None:
             raise ValueError("resync() needs a cache (none given to the publisher)")
         self._needs_resync = False
-        return self._put(cache.kv_events_snapshot(), None)
+        return self._put(cache.take_kv_events_packed(self.event_format, snapshot=True), None)
 
-    def _put(self, events: list[Any], ts: float | None) -> bool:
+    def _put(self, events: Any, ts: float | None) -> bool:
         try:
             self._queue.put_nowait((time.time() if ts is None else float(ts), events))
             return True
         except queue.Full:
             self._needs_resync = True
             self.counts["batches_dropped"] += 1
-            log.warning("kvpool.events: queue full, batch of %d events dropped", len(events))
+            n = events[1] if isinstance(events, tuple) else len(events)
+            log.warning("kvpool.events: queue full, batch of %d events dropped", n)
             return False
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -444,9 +456,18 @@ class EventPublisher:
             finally:
                 self._queue.task_done()
 
-    def _send(self, ts: float, events: list[Any]) -> None:
-        wire = [wire_event(e, self.event_format) for e in events]
-        payload = self._enc.encode([ts, wire, self.data_parallel_rank])
+    def _send(self, ts: float, events: Any) -> None:
+        c = self.counts
+        if isinstance(events, tuple):  # take_kv_events_packed: splice the encoded events
+            packed, n, stored, removed = events
+            payload = b"".join((b"\x93\xcb", struct.pack(">d", ts), packed,
+                                self._enc.encode(self.data_parallel_rank)))
+        else:
+            wire = [wire_event(e, self.event_format) for e in events]
+            payload = self._enc.encode([ts, wire, self.data_parallel_rank])
+            n = len(events)
+            stored = sum(len(e[1]) for e in events if e[0] == "BlockStored")
+            removed = sum(len(e[1]) for e in events if e[0] == "BlockRemoved")
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -456,14 +477,10 @@ class EventPublisher:
                                      flags=self._zmq.NOBLOCK)
         except self._zmq.Again:
             pass
-        c = self.counts
         c["batches_published"] += 1
-        c["events_published"] += len(events)
-        for e in events:
-            if e[0] == "BlockStored":
-                c["blocks_stored"] += len(e[1])
-            elif e[0] == "BlockRemoved":
-                c["blocks_removed"] += len(e[1])
+        c["events_published"] += n
+        c["blocks_stored"] += stored
+        c["blocks_removed"] += removed
 
     def _serve_replays(self) -> None:
         zmq, sock = self._zmq, self._replay
@@ -478,8 +495,8 @@ class EventPublisher:
                 for seq, payload in list(self._buffer):
                     if seq >= start:
                         sock.send_multipart((ident, b"", seq.to_bytes(8, "big"), payload),
-                                            flags=zmq.NOBLOCK)
+                                            flags=zmq.NOBLOCK, copy=False)
                 sock.send_multipart((ident, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("kvpool.events: replay client too slow, replay cut short")
+            except zmq.ZMQError as e:  # EAGAIN: too slow; EHOSTUNREACH: gone
+                log.warning("kvpool.events: replay cut short (%s)", e)
             self.counts["replays_served"] += 1

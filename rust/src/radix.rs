@@ -38,7 +38,7 @@ use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 mod events;
 mod groups;
 mod namespace;
-pub use events::{EventCounts, KvEvent, Medium, MAX_PENDING_TOKENS};
+pub use events::{encode_events, EventCounts, KvEvent, Medium, WireFormat, MAX_PENDING_TOKENS};
 use groups::Groups;
 pub use groups::{GroupMatch, GroupPath, Others};
 pub use namespace::{Namespace, NamespaceBuilder};

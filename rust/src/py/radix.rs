@@ -557,6 +557,37 @@ impl PyRadixCache {
         self.events_take(py, false)
     }
 
+    /// `take_kv_events` (or, with `snapshot`, `kv_events_snapshot`) encoded as vLLM's wire form
+    /// in Rust: no Python object per token or hash.
+    ///
+    /// Parameters
+    /// ----------
+    /// event_format : {"array", "map"}
+    ///     Tagged msgpack arrays (vLLM <= v0.23) or tagged maps (see `kvpool.events`).
+    /// snapshot : bool, default False
+    ///     A full resync instead of the pending events.
+    ///
+    /// Returns
+    /// -------
+    /// tuple
+    ///     `(events, n_events, blocks_stored, blocks_removed)`: the msgpack array of the events
+    ///     (bytes: the second item of a batch payload), how many events, and the pages they
+    ///     announce as stored and as removed.
+    ///
+    /// Raises
+    /// ------
+    /// InvalidArgumentError
+    ///     An unknown `event_format`.
+    #[pyo3(signature = (event_format="array", *, snapshot=false))]
+    fn take_kv_events_packed<'py>(
+        &self,
+        py: Python<'py>,
+        event_format: &str,
+        snapshot: bool,
+    ) -> PyResult<events::PackedTuple<'py>> {
+        self.events_packed(py, event_format, snapshot)
+    }
+
     /// A full resync: ``("AllBlocksCleared",)`` followed by every cached page as ``BlockStored``
     /// (one event per node, parents first), in the form of `take_kv_events`. Drops the pending
     /// events, which the snapshot supersedes; empty when KV events are off.

@@ -6,10 +6,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use super::super::alloc::with_lock;
+use super::super::alloc::DETACH_MIN;
 use super::super::error::InvalidArgumentError;
 use super::super::hash::u64_arg;
 use super::PyRadixCache;
-use crate::radix::{KvEvent, RadixCache};
+use crate::radix::{encode_events, KvEvent, RadixCache, WireFormat};
+
+pub(super) type PackedTuple<'py> = (Bound<'py, PyBytes>, usize, usize, usize);
 
 /// Turns events on for a new cache (`kv_events`, `hash_seed` of the constructor).
 pub(super) fn configure(
@@ -81,6 +84,58 @@ impl PyRadixCache {
             .map(|e| event(py, e))
             .collect::<PyResult<Vec<_>>>()?;
         PyList::new(py, items)
+    }
+
+    /// `take_kv_events_packed`: the events (or a snapshot) as msgpack bytes, with their counts.
+    pub(super) fn events_packed<'py>(
+        &self,
+        py: Python<'py>,
+        event_format: &str,
+        snapshot: bool,
+    ) -> PyResult<PackedTuple<'py>> {
+        let fmt = match event_format {
+            "array" => WireFormat::Array,
+            "map" => WireFormat::Map,
+            other => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "`event_format` must be \"array\" or \"map\", got {other:?}"
+                )))
+            }
+        };
+        let evs = with_lock(py, &self.cache, snapshot, |c| {
+            if snapshot {
+                c.kv_events_snapshot()
+            } else {
+                c.take_kv_events()
+            }
+        });
+        let (mut stored, mut removed, mut size) = (0usize, 0usize, 0usize);
+        for e in &evs {
+            match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    token_ids,
+                    ..
+                } => {
+                    stored += block_hashes.len();
+                    size += token_ids.len();
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => removed += block_hashes.len(),
+                KvEvent::AllBlocksCleared => {}
+            }
+        }
+        // (plain Rust data: encoded with the GIL released when large)
+        let encode = || {
+            let mut out = Vec::with_capacity(16 + 5 * size + 9 * (stored + removed));
+            encode_events(&evs, fmt, &mut out);
+            out
+        };
+        let out = if size >= DETACH_MIN {
+            py.detach(encode)
+        } else {
+            encode()
+        };
+        Ok((PyBytes::new(py, &out), evs.len(), stored, removed))
     }
 
     /// `kv_event_counts` as a dict.

@@ -30,6 +30,10 @@
 use super::{Namespace, RadixCache};
 use crate::hash;
 
+#[path = "events_wire.rs"]
+mod wire;
+pub use wire::{encode_events, WireFormat};
+
 /// Stored pages' tokens the pending buffer may hold before it is replaced by a snapshot on the
 /// next take (16 MiB of token ids).
 pub const MAX_PENDING_TOKENS: usize = 1 << 22;

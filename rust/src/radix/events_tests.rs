@@ -72,7 +72,10 @@ fn insert_extend_split_evict_reset() {
     insert(&mut a, &mut c, &ns, &[1, 2]);
     c.reset(&mut a).unwrap();
     let ev = c.take_kv_events();
-    assert!(matches!(&ev[..], [KvEvent::BlockStored { .. }, KvEvent::AllBlocksCleared]));
+    assert!(matches!(
+        &ev[..],
+        [KvEvent::BlockStored { .. }, KvEvent::AllBlocksCleared]
+    ));
     assert!(c.kv_events_enabled() && c.hash_seed() == Some(7));
     let n = c.kv_event_counts();
     assert_eq!((n.blocks_stored, n.blocks_removed), (5, 4));
