@@ -1,8 +1,9 @@
 """PageAllocator and the batch helpers (page table, slots) through the Python API."""
 
-import kvpool
 import numpy as np
 import pytest
+
+import kvpool
 from kvpool import (
     ArrayTypeError,
     BatchError,

@@ -3,8 +3,9 @@ import struct
 import subprocess
 import sys
 
-import kvpool
 import pytest
+
+import kvpool
 from kvpool.cli import main
 
 GIB = 1 << 30

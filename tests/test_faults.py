@@ -10,9 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import kvpool
 import numpy as np
 import pytest
+
+import kvpool
 
 PKG_ROOT = str(Path(kvpool.__file__).resolve().parent.parent)
 
@@ -386,8 +387,9 @@ def test_a_million_per_head_scales_load_in_one_pass(tmp_path):
     import warnings
 
     torch = pytest.importorskip("torch")
-    from kvpool.scales import read_checkpoint_scales
     from safetensors.torch import save_file
+
+    from kvpool.scales import read_checkpoint_scales
 
     t = torch.rand(10**6) + 0.5
     t[123_456] = 3.0

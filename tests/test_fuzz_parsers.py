@@ -19,10 +19,11 @@ import math
 import os
 from pathlib import Path
 
-import kvpool
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
+import kvpool
 from kvpool.gguf import read_header
 from kvpool.scales import read_checkpoint_scales, read_json_scales
 

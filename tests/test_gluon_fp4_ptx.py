@@ -20,6 +20,7 @@ import re
 import numpy as np
 import pytest
 import torch
+
 from kvpool import formats
 
 fp4 = pytest.importorskip("kvpool.triton_kernels.decode_gluon_fp4")

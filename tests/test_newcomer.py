@@ -7,8 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvpool
 import pytest
+
+import kvpool
 from kvpool._cli_errors import for_cli
 from kvpool.cli import main
 

@@ -1,11 +1,12 @@
 """kvpool.page_hashes against an independent XXH3 implementation (the `xxhash` package)."""
 
-import kvpool
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import kvpool
 
 DOMAIN = b"kvpool.page_hash.v1"
 # The tagged encoding of namespace None: tag b"N", payload length 0 as a little-endian u64.

@@ -1,5 +1,6 @@
-import kvpool
 import pytest
+
+import kvpool
 from kvpool.config import bundled_models
 
 torch = pytest.importorskip("torch")

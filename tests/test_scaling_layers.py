@@ -16,8 +16,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-import kvpool
 import pytest
+
+import kvpool
 
 PKG_ROOT = str(Path(kvpool.__file__).resolve().parent.parent)
 LAYERS = 65_536

@@ -3,8 +3,9 @@
 import json
 import math
 
-import kvpool
 import pytest
+
+import kvpool
 
 GIB = 1 << 30
 LLAMA = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
