@@ -480,13 +480,16 @@ def test_packed_in_rust_equals_the_python_encoding(fmt):
                 c.evict(6)
     (_, c1), (_, c2) = caches
     tuples = c1.take_kv_events()
-    packed, n, stored, removed = c2.take_kv_events_packed(fmt)
-    assert n == len(tuples) > 10
-    assert stored == sum(len(e[1]) for e in tuples if e[0] == "BlockStored")
-    assert removed == sum(len(e[1]) for e in tuples if e[0] == "BlockRemoved") > 0
+    batch = c2.take_kv_events_batch()
+    assert len(batch) == len(tuples) > 10
+    assert batch.to_list() == tuples
+    assert batch.blocks_stored == sum(len(e[1]) for e in tuples if e[0] == "BlockStored")
+    assert batch.blocks_removed == sum(len(e[1]) for e in tuples if e[0] == "BlockRemoved") > 0
     want = encode_batch(tuples, ts=TS, data_parallel_rank=0, event_format=fmt)
-    assert fixarray(3) + TS_BYTES + packed + b"\x00" == want
+    assert fixarray(3) + TS_BYTES + batch.encode(fmt) + b"\x00" == want
     snap = encode_batch(c1.kv_events_snapshot(), ts=TS, event_format=fmt)
-    assert fixarray(3) + TS_BYTES + c2.take_kv_events_packed(fmt, snapshot=True)[0] + b"\x00" == snap
+    got = c2.take_kv_events_batch(snapshot=True).encode(fmt)
+    assert fixarray(3) + TS_BYTES + got + b"\x00" == snap
+    assert repr(c2.take_kv_events_batch()) == "KvEventBatch(events=0, blocks_stored=0, blocks_removed=0)"
     with pytest.raises(kvpool.InvalidArgumentError, match="event_format"):
-        c1.take_kv_events_packed("json")
+        batch.encode("json")

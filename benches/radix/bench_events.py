@@ -6,10 +6,13 @@ each repeat so that the machine's drift hits them alike:
 
 - off: RadixCache(a) as in bench_radix.py;
 - on: RadixCache(a, kv_events=True): every insert hashes its new pages and records a
-  BlockStored, every eviction a BlockRemoved; the loop drains `take_kv_events()` (Python
-  tuples) after every `--drain` requests (a serving step);
-- publish: as on, and each drained batch goes to an EventPublisher (inproc PUB, no subscriber:
-  the encoding and send run on the publisher's thread, which shares the 2 cores and the GIL).
+  BlockStored, every eviction a BlockRemoved; the loop drains the events after every `--drain`
+  requests (a serving step) as `take_kv_events_batch()` (O(1), the events stay in Rust);
+- publish: as on, through `EventPublisher(..., cache=c).publish()`: the same drain, then the
+  publisher's thread encodes the batch in Rust with the GIL released, frames and sends it
+  (inproc PUB without subscriber), on the second core;
+- tuples: as on, drained as `take_kv_events()` (a Python tuple per event, a Python int per
+  token and hash: what a Python consumer of the events pays).
 
 Reported per mode: the loop's wall time (best and median of the repeats), its process CPU time
 (all threads), and from a separate pass with a timer around each call, ops/s of match_prefix,
@@ -34,7 +37,7 @@ from bench_radix import WORKLOADS  # noqa: E402
 import kvpool  # noqa: E402
 from kvpool.events import EventPublisher  # noqa: E402
 
-MODES = ("off", "on", "publish")
+MODES = ("off", "on", "publish", "tuples")
 
 
 def replay(mode, reqs, pool_tokens, ps, drain, timed, pub):
@@ -58,11 +61,14 @@ def replay(mode, reqs, pool_tokens, ps, drain, timed, pub):
         a.free(new)
         if mode != "off" and (i + 1) % drain == 0:
             s4 = clock()
-            ev = c.take_kv_events()
-            if pub is not None:
-                pub.publish(ev)
+            if mode == "tuples":
+                n_events += len(c.take_kv_events())
+            else:
+                ev = c.take_kv_events_batch()
+                if pub is not None:
+                    pub.publish(ev)
+                n_events += len(ev)
             t["drain"].append(clock() - s4)
-            n_events += len(ev)
         if timed:
             t["match_prefix"].append(e - s)
             t["alloc_with_evict"].append(e2 - s2)
@@ -108,7 +114,7 @@ def main():
                     "hit_rate": runs[m][0]["hit_rate"], "ops_per_s": timed[m]["ops_per_s"],
                 }
             off = row["modes"]["off"]
-            for m in ("on", "publish"):
+            for m in MODES[1:]:
                 r = row["modes"][m]
                 r["slowdown_best"] = r["loop_s_best"] / off["loop_s_best"] - 1
                 r["slowdown_median"] = r["loop_s_median"] / off["loop_s_median"] - 1

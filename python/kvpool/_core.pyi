@@ -35,6 +35,7 @@ __all__ = [
     "StateSlotAllocator",
     "RadixNode",
     "RadixCache",
+    "KvEventBatch",
     "page_table",
     "pages_needed",
     "assign_pages",
@@ -610,15 +611,9 @@ class RadixCache:
         ``("AllBlocksCleared",)``: ``reset``. More than 2**22 tokens of stored pages left untaken
         are replaced by a snapshot. Built after the cache's lock is released.
         """
-    def take_kv_events_packed(
-        self, event_format: Literal["array", "map"] = "array", *, snapshot: bool = False
-    ) -> tuple[bytes, int, int, int]:
-        """``take_kv_events`` (or with ``snapshot`` a snapshot) as vLLM's msgpack wire form.
-
-        Returns ``(events, n_events, blocks_stored, blocks_removed)``: the msgpack array of the
-        events (the second item of a batch payload), their count and the pages they announce as
-        stored / removed. Encoded in Rust after the lock is released.
-        """
+    def take_kv_events_batch(self, *, snapshot: bool = False) -> KvEventBatch:
+        """``take_kv_events`` (or with ``snapshot`` a snapshot) as a ``KvEventBatch`` held in Rust
+        (O(1), no Python object per event)."""
     def kv_events_snapshot(self) -> list[_KvEventTuple]:
         """``("AllBlocksCleared",)`` then every cached page as ``BlockStored`` (parents first);
         drops the pending events."""
@@ -630,6 +625,26 @@ class RadixCache:
     @property
     def hash_seed(self) -> int | None:
         """The seed of the page hashes, or None without KV events."""
+
+@final
+class KvEventBatch:
+    """KV events taken from a ``RadixCache`` in one call, held in Rust.
+
+    ``len(batch)`` events; ``encode`` writes vLLM's wire form with the GIL released;
+    ``to_list()`` gives the tuples of ``take_kv_events``.
+    """
+
+    def __len__(self) -> int: ...
+    def encode(self, event_format: Literal["array", "map"] = "array") -> bytes:
+        """The events as one msgpack array (the second item of a batch payload)."""
+    def to_list(self) -> list[_KvEventTuple]:
+        """The events as ``take_kv_events`` tuples."""
+    @property
+    def blocks_stored(self) -> int:
+        """Pages the batch announces as stored."""
+    @property
+    def blocks_removed(self) -> int:
+        """Pages the batch announces as removed."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 

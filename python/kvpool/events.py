@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvpool._core import KvEventBatch
 from kvpool._deps import missing
 
 __all__ = [
@@ -330,11 +331,10 @@ class EventPublisher:
 
         Parameters
         ----------
-        events : list of tuple or tuple, optional
-            ``cache.take_kv_events()``, or ``cache.take_kv_events_packed(event_format)`` (the
-            events already encoded in Rust, in this publisher's format). Default: taken from the
-            ``cache`` given at construction, packed (no Python object per token). No events
-            publish nothing.
+        events : list of tuple or KvEventBatch, optional
+            ``cache.take_kv_events()`` (tuples), or ``cache.take_kv_events_batch()`` (held in
+            Rust: the sending thread encodes it with the GIL released). Default: a batch taken
+            from the ``cache`` given at construction. No events publish nothing.
         ts : float, optional
             The batch's UNIX time; default now.
 
@@ -358,9 +358,9 @@ class EventPublisher:
         if events is None:
             if self.cache is None:
                 raise ValueError("publish() without events needs the `cache` of the publisher")
-            events = self.cache.take_kv_events_packed(self.event_format)
-        if isinstance(events, tuple) and len(events) == 4 and isinstance(events[0], bytes):
-            return events[1] == 0 or self._put(events, ts)
+            events = self.cache.take_kv_events_batch()
+        if isinstance(events, KvEventBatch):
+            return len(events) == 0 or self._put(events, ts)
         if not events:
             return True
         return self._put(list(events), ts)
@@ -390,7 +390,7 @@ class EventPublisher:
         if cache is None:
             raise ValueError("resync() needs a cache (none given to the publisher)")
         self._needs_resync = False
-        return self._put(cache.take_kv_events_packed(self.event_format, snapshot=True), None)
+        return self._put(cache.take_kv_events_batch(snapshot=True), None)
 
     def _put(self, events: Any, ts: float | None) -> bool:
         try:
@@ -399,8 +399,7 @@ class EventPublisher:
         except queue.Full:
             self._needs_resync = True
             self.counts["batches_dropped"] += 1
-            n = events[1] if isinstance(events, tuple) else len(events)
-            log.warning("kvpool.events: queue full, batch of %d events dropped", n)
+            log.warning("kvpool.events: queue full, batch of %d events dropped", len(events))
             return False
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -458,10 +457,11 @@ class EventPublisher:
 
     def _send(self, ts: float, events: Any) -> None:
         c = self.counts
-        if isinstance(events, tuple):  # take_kv_events_packed: splice the encoded events
-            packed, n, stored, removed = events
-            payload = b"".join((b"\x93\xcb", struct.pack(">d", ts), packed,
+        if isinstance(events, KvEventBatch):  # encoded in Rust (GIL released), spliced in
+            payload = b"".join((b"\x93\xcb", struct.pack(">d", ts),
+                                events.encode(self.event_format),
                                 self._enc.encode(self.data_parallel_rank)))
+            n, stored, removed = len(events), events.blocks_stored, events.blocks_removed
         else:
             wire = [wire_event(e, self.event_format) for e in events]
             payload = self._enc.encode([ts, wire, self.data_parallel_rank])

@@ -557,35 +557,12 @@ impl PyRadixCache {
         self.events_take(py, false)
     }
 
-    /// `take_kv_events` (or, with `snapshot`, `kv_events_snapshot`) encoded as vLLM's wire form
-    /// in Rust: no Python object per token or hash.
-    ///
-    /// Parameters
-    /// ----------
-    /// event_format : {"array", "map"}
-    ///     Tagged msgpack arrays (vLLM <= v0.23) or tagged maps (see `kvpool.events`).
-    /// snapshot : bool, default False
-    ///     A full resync instead of the pending events.
-    ///
-    /// Returns
-    /// -------
-    /// tuple
-    ///     `(events, n_events, blocks_stored, blocks_removed)`: the msgpack array of the events
-    ///     (bytes: the second item of a batch payload), how many events, and the pages they
-    ///     announce as stored and as removed.
-    ///
-    /// Raises
-    /// ------
-    /// InvalidArgumentError
-    ///     An unknown `event_format`.
-    #[pyo3(signature = (event_format="array", *, snapshot=false))]
-    fn take_kv_events_packed<'py>(
-        &self,
-        py: Python<'py>,
-        event_format: &str,
-        snapshot: bool,
-    ) -> PyResult<events::PackedTuple<'py>> {
-        self.events_packed(py, event_format, snapshot)
+    /// `take_kv_events` (or, with `snapshot`, `kv_events_snapshot`) as a `KvEventBatch` held in
+    /// Rust: O(1), no Python object per event; `batch.encode(event_format)` writes vLLM's wire
+    /// form with the GIL released (what `kvpool.events.EventPublisher` sends).
+    #[pyo3(signature = (*, snapshot=false))]
+    fn take_kv_events_batch(&self, py: Python<'_>, snapshot: bool) -> events::PyKvEventBatch {
+        self.events_batch(py, snapshot)
     }
 
     /// A full resync: ``("AllBlocksCleared",)`` followed by every cached page as ``BlockStored``
@@ -741,5 +718,6 @@ impl PyRadixCache {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRadixNode>()?;
+    m.add_class::<events::PyKvEventBatch>()?;
     m.add_class::<PyRadixCache>()
 }

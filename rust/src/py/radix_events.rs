@@ -6,13 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use super::super::alloc::with_lock;
-use super::super::alloc::DETACH_MIN;
 use super::super::error::InvalidArgumentError;
 use super::super::hash::u64_arg;
 use super::PyRadixCache;
 use crate::radix::{encode_events, KvEvent, RadixCache, WireFormat};
-
-pub(super) type PackedTuple<'py> = (Bound<'py, PyBytes>, usize, usize, usize);
 
 /// Turns events on for a new cache (`kv_events`, `hash_seed` of the constructor).
 pub(super) fn configure(
@@ -86,56 +83,16 @@ impl PyRadixCache {
         PyList::new(py, items)
     }
 
-    /// `take_kv_events_packed`: the events (or a snapshot) as msgpack bytes, with their counts.
-    pub(super) fn events_packed<'py>(
-        &self,
-        py: Python<'py>,
-        event_format: &str,
-        snapshot: bool,
-    ) -> PyResult<PackedTuple<'py>> {
-        let fmt = match event_format {
-            "array" => WireFormat::Array,
-            "map" => WireFormat::Map,
-            other => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "`event_format` must be \"array\" or \"map\", got {other:?}"
-                )))
-            }
-        };
-        let evs = with_lock(py, &self.cache, snapshot, |c| {
+    /// `take_kv_events_batch`: the events (or a snapshot) as an opaque batch, taken in O(1).
+    pub(super) fn events_batch(&self, py: Python<'_>, snapshot: bool) -> PyKvEventBatch {
+        let events = with_lock(py, &self.cache, snapshot, |c| {
             if snapshot {
                 c.kv_events_snapshot()
             } else {
                 c.take_kv_events()
             }
         });
-        let (mut stored, mut removed, mut size) = (0usize, 0usize, 0usize);
-        for e in &evs {
-            match e {
-                KvEvent::BlockStored {
-                    block_hashes,
-                    token_ids,
-                    ..
-                } => {
-                    stored += block_hashes.len();
-                    size += token_ids.len();
-                }
-                KvEvent::BlockRemoved { block_hashes, .. } => removed += block_hashes.len(),
-                KvEvent::AllBlocksCleared => {}
-            }
-        }
-        // (plain Rust data: encoded with the GIL released when large)
-        let encode = || {
-            let mut out = Vec::with_capacity(16 + 5 * size + 9 * (stored + removed));
-            encode_events(&evs, fmt, &mut out);
-            out
-        };
-        let out = if size >= DETACH_MIN {
-            py.detach(encode)
-        } else {
-            encode()
-        };
-        Ok((PyBytes::new(py, &out), evs.len(), stored, removed))
+        PyKvEventBatch::new(events)
     }
 
     /// `kv_event_counts` as a dict.
@@ -147,5 +104,123 @@ impl PyRadixCache {
         d.set_item("blocks_removed", n.blocks_removed)?;
         d.set_item("overflows", n.overflows)?;
         Ok(d)
+    }
+}
+
+/// KV events taken from a `RadixCache` in one call (`take_kv_events_batch`), held in Rust:
+/// taking them costs no Python object per event, and `encode` writes vLLM's wire form with the
+/// GIL released, so a publisher thread can encode while the serving loop runs.
+///
+/// `len(batch)` is the number of events; `to_list()` gives the tuples of `take_kv_events`.
+#[pyclass(name = "KvEventBatch", module = "kvpool._core", frozen)]
+pub(crate) struct PyKvEventBatch {
+    events: Vec<KvEvent>,
+    stored: usize,
+    removed: usize,
+    tokens: usize,
+}
+
+impl PyKvEventBatch {
+    fn new(events: Vec<KvEvent>) -> Self {
+        let (mut stored, mut removed, mut tokens) = (0, 0, 0);
+        for e in &events {
+            match e {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    token_ids,
+                    ..
+                } => {
+                    stored += block_hashes.len();
+                    tokens += token_ids.len();
+                }
+                KvEvent::BlockRemoved { block_hashes, .. } => removed += block_hashes.len(),
+                KvEvent::AllBlocksCleared => {}
+            }
+        }
+        Self {
+            events,
+            stored,
+            removed,
+            tokens,
+        }
+    }
+}
+
+#[pymethods]
+impl PyKvEventBatch {
+    /// The events as vLLM's msgpack wire form: one msgpack array, the second item of a batch
+    /// payload ``[ts, events, data_parallel_rank]`` (see `kvpool.events`).
+    ///
+    /// Parameters
+    /// ----------
+    /// event_format : {"array", "map"}
+    ///     Tagged arrays (vLLM <= v0.23) or tagged maps (vLLM since its PR #42892).
+    ///
+    /// Raises
+    /// ------
+    /// InvalidArgumentError
+    ///     An unknown `event_format`.
+    ///
+    /// Notes
+    /// -----
+    /// Releases the GIL for 4,096 tokens or more.
+    #[pyo3(signature = (event_format="array"))]
+    fn encode<'py>(&self, py: Python<'py>, event_format: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let fmt = match event_format {
+            "array" => WireFormat::Array,
+            "map" => WireFormat::Map,
+            other => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "`event_format` must be \"array\" or \"map\", got {other:?}"
+                )))
+            }
+        };
+        let encode = || {
+            let mut out =
+                Vec::with_capacity(16 + 5 * self.tokens + 9 * (self.stored + self.removed));
+            encode_events(&self.events, fmt, &mut out);
+            out
+        };
+        let out = if self.tokens >= 4096 {
+            py.detach(encode)
+        } else {
+            encode()
+        };
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// The events as the tuples `RadixCache.take_kv_events` returns.
+    fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .events
+            .iter()
+            .map(|e| event(py, e.clone()))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Pages the batch announces as stored.
+    #[getter]
+    fn blocks_stored(&self) -> usize {
+        self.stored
+    }
+    /// Pages the batch announces as removed.
+    #[getter]
+    fn blocks_removed(&self) -> usize {
+        self.removed
+    }
+
+    fn __len__(&self) -> usize {
+        self.events.len()
+    }
+
+    /// `KvEventBatch(events=..., blocks_stored=..., blocks_removed=...)`.
+    fn __repr__(&self) -> String {
+        format!(
+            "KvEventBatch(events={}, blocks_stored={}, blocks_removed={})",
+            self.events.len(),
+            self.stored,
+            self.removed
+        )
     }
 }
