@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results", "events_overhead.json"))
     ap.add_argument("--machine", default="CPU VM 2 cores, shared with other builds")
     args = ap.parse_args()
+    load_start = os.getloadavg()
     pub = EventPublisher("inproc://bench-events", buffer_steps=1000)
     results = []
     for wname, make in WORKLOADS.items():
@@ -125,7 +126,7 @@ def main():
         gc.unfreeze()
     pub.close()
     meta = {"machine": args.machine, "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "repeats": args.repeats}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

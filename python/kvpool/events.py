@@ -6,9 +6,15 @@ call that changes the tree, which pages it stored and dropped (``cache.take_kv_e
 consume vLLM's stream (llm-d's kv-cache indexer, NVIDIA Dynamo's KV router, vLLM's router)
 can place requests on the instance that holds their prefix.
 
-Wire format (source: ``vllm/distributed/kv_events.py`` of vllm-project/vllm; field order and tag
-form read at commit 0181ea3 of main, and at b4e69e0 for the earlier positional layout; no code
-taken from it):
+Wire format. Source: vLLM's event classes and ``ZmqEventPublisher`` in
+vllm/distributed/kv_events.py, read at two commits of vllm-project/vllm (no code taken): field
+names and order, the map form and the replay protocol at main's 0181ea3,
+
+https://github.com/vllm-project/vllm/blob/0181ea3173e53eea8cf04a86891488e3dc89bb34/vllm/distributed/kv_events.py
+
+and the positional (array) layout as it was before vLLM's PR #42892, at b4e69e0:
+
+https://github.com/vllm-project/vllm/blob/b4e69e0af33f4698e157a262cc787fe61983cd3d/vllm/distributed/kv_events.py
 
 - A PUB socket sends each batch as three frames: the topic (UTF-8), the sequence number (8 bytes,
   big-endian, from 0) and the msgpack payload ``[ts, [event, ...], data_parallel_rank]`` (a

@@ -3,7 +3,7 @@
 :func:`cache_metrics` reads a ``RadixCache``'s counters (and an ``EventPublisher``'s) into a
 flat dict; :func:`register_prometheus` exports the same values on every scrape. Names follow
 vLLM's metrics where one exists (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``,
-``vllm:prefix_cache_hits``, defined in vLLM's ``vllm/v1/metrics/loggers.py``); the others are
+``vllm:prefix_cache_hits``, defined in vLLM's v1 metrics loggers); the others are
 kvpool's. Keys (gauges unless marked counter):
 
 - ``kv_cache_usage_perc``: fraction 0..1 of pages in use, counted as vLLM does: pages only the

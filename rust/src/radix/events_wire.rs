@@ -1,9 +1,9 @@
 //! vLLM's KV event wire form, written as msgpack straight from the Rust events (with the `rmp`
 //! crate), so that publishing makes no Python object per token or hash.
 //!
-//! Source of the layout: `vllm/distributed/kv_events.py` of vllm-project/vllm (field names and
-//! order at commit 0181ea3 of main; the positional layout as at b4e69e0, before PR #42892 made
-//! the events maps). Each event is msgspec's tagged encoding of vLLM's event struct:
+//! Source of the layout: vLLM's event classes, field names and order as at
+//! <https://github.com/vllm-project/vllm/blob/0181ea3173e53eea8cf04a86891488e3dc89bb34/vllm/distributed/kv_events.py>, the positional layout as at
+//! <https://github.com/vllm-project/vllm/blob/b4e69e0af33f4698e157a262cc787fe61983cd3d/vllm/distributed/kv_events.py> (before vLLM's PR #42892 made the events maps). Each event is msgspec's tagged encoding of vLLM's event struct:
 //!
 //! - [`WireFormat::Array`] (`array_like=True`, vLLM <= v0.23): `["BlockStored", block_hashes,
 //!   parent_block_hash, token_ids, block_size, lora_id, medium, lora_name(, extra_keys)]`,
