@@ -85,14 +85,42 @@ def replay(mode, reqs, pool_tokens, ps, drain, timed, pub):
     return out
 
 
+def report(paths):
+    """Markdown tables of saved runs."""
+    lines = []
+    for path in paths:
+        d = json.load(open(path))
+        m = d["meta"]
+        lines += [f"### `{os.path.basename(path)}`", "",
+                  f"{m['machine']}; {m['date']}; {m['repeats']} repeats per mode, alternated; load average "
+                  f"{m.get('loadavg_start', ['?'])[0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at the end.", "",
+                  "| workload | page | drain every | mode | loop s best | loop s median | vs off (best / median) | CPU s best | vs off CPU | extra us / request (best) | insert ops/s | match ops/s | alloc+evict ops/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in d["results"]:
+            off = r["modes"]["off"]
+            for mode, x in r["modes"].items():
+                ops = x["ops_per_s"]
+                vs = "" if mode == "off" else f"{x['slowdown_best']:+.0%} / {x['slowdown_median']:+.0%}"
+                cpu = "" if mode == "off" else f"{x['cpu_slowdown_best']:+.0%}"
+                extra = "" if mode == "off" else f"{(x['cpu_s_best'] - off['cpu_s_best']) / r['requests'] * 1e6:.2f}"
+                lines.append(f"| {r['workload']} | {r['page_size']} | {r['drain_every']} | {mode} | {x['loop_s_best']:.4f} | "
+                             f"{x['loop_s_median']:.4f} | {vs} | {x['cpu_s_best']:.4f} | {cpu} | {extra} | "
+                             f"{ops['insert']:,.0f} | {ops['match_prefix']:,.0f} | {ops['alloc_with_evict']:,.0f} |")
+        lines.append("")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the markdown tables of saved runs and exit")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--drain", type=int, default=1, help="requests per take_kv_events (a serving step)")
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 1])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "events_overhead.json"))
     ap.add_argument("--machine", default="CPU VM 2 cores, shared with other builds")
     args = ap.parse_args()
+    if args.report:
+        return report(args.report)
     load_start = os.getloadavg()
     pub = EventPublisher("inproc://bench-events", buffer_steps=1000)
     results = []
