@@ -10,13 +10,14 @@ import struct
 import threading
 import time
 
-import kvpool
 import msgpack
 import msgspec
 import numpy as np
 import pytest
 import xxhash
 import zmq
+
+import kvpool
 from kvpool.events import END_SEQ, EventPublisher, decode_payload, encode_batch, wire_event
 from kvpool.metrics import cache_metrics, register_prometheus
 

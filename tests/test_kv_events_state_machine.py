@@ -17,13 +17,14 @@ locks, evictions, allocations that evict, and resets, the events are drained and
 import os
 import struct
 
-import kvpool
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import kvpool
 from kvpool import CacheBusyError, OutOfPagesError
 
 PROFILES = {
