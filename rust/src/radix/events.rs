@@ -348,6 +348,53 @@ impl RadixCache {
         });
     }
 
+    /// Hook for a tiered cache: node `id`'s pages moved from tier `from` to tier `to` (a
+    /// host-memory tier demoting or loading them back). Records `BlockRemoved` on `from` and
+    /// `BlockStored` on `to` (vLLM announces each medium's copies apart); the node's hashes stay.
+    /// [`node_medium`](Self::node_medium) must answer `to` for the node from now on.
+    #[allow(dead_code)] // (the host tier's hook; exercised by the tests)
+    pub(super) fn events_moved(&mut self, id: u32, from: Medium, to: Medium) {
+        let Some(ev) = self.events.as_ref() else {
+            return;
+        };
+        let n = self.node(id);
+        let hashes = ev.hashes.get(id as usize).cloned().unwrap_or_default();
+        if hashes.is_empty() || from == to {
+            return;
+        }
+        let parent = self.node(n.parent);
+        let root = parent.key().is_empty();
+        let parent_block_hash = if root {
+            None
+        } else {
+            ev.hashes[n.parent as usize].last().copied()
+        };
+        let namespace = parent
+            .ns
+            .as_ref()
+            .filter(|b| root && b[..] != *Namespace::none().as_bytes())
+            .cloned();
+        let stored = KvEvent::BlockStored {
+            block_hashes: hashes.clone(),
+            parent_block_hash,
+            token_ids: n.key().to_vec(),
+            block_size: self.page_size,
+            medium: to,
+            namespace,
+        };
+        let Some(ev) = self.events.as_mut() else {
+            return;
+        };
+        ev.counts.events += 2;
+        ev.counts.blocks_removed += hashes.len() as u64;
+        ev.counts.blocks_stored += hashes.len() as u64;
+        ev.record(KvEvent::BlockRemoved {
+            block_hashes: hashes,
+            medium: from,
+        });
+        ev.record(stored);
+    }
+
     /// Hook of `reset`: the event state for the emptied cache (`AllBlocksCleared` appended to the
     /// pending events).
     pub(super) fn events_reset(&mut self) -> Option<Box<Events>> {

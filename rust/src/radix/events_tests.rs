@@ -142,3 +142,38 @@ fn enabling_later_hashes_existing_pages() {
     let snap = c.kv_events_snapshot();
     assert_eq!(snap.len(), 3);
 }
+
+#[test]
+fn tier_move_hook_announces_both_media() {
+    let (mut a, mut c) = setup(2);
+    let mut b = Namespace::builder();
+    b.int(3);
+    let ns = b.finish();
+    insert(&mut a, &mut c, &ns, &[1, 2, 3, 4]);
+    let ev = c.take_kv_events();
+    let KvEvent::BlockStored {
+        block_hashes,
+        namespace,
+        ..
+    } = &ev[0]
+    else {
+        panic!()
+    };
+    let (h, nsb) = (block_hashes.clone(), namespace.clone());
+    let leaf = c.match_prefix(&ns, &[1, 2, 3, 4]).node.node().get();
+    c.events_moved(leaf, Medium::Gpu, Medium::Cpu);
+    let ev = c.take_kv_events();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(
+        ev[0],
+        KvEvent::BlockRemoved {
+            block_hashes: h.clone(),
+            medium: Medium::Gpu
+        }
+    );
+    assert!(
+        matches!(&ev[1], KvEvent::BlockStored { block_hashes, medium: Medium::Cpu, namespace, parent_block_hash: None, .. }
+        if *block_hashes == h && *namespace == nsb)
+    );
+    assert_eq!(Medium::Cpu.as_str(), "CPU");
+}
