@@ -20,8 +20,9 @@
 //! Namespaces: a page whose predecessor is the chain root (the first page of a namespace's
 //! tree) carries the namespace's canonical bytes ([`Namespace::as_bytes`], the bytes the chain
 //! root hash is computed from) in `namespace`; deeper pages chain from their parent's hash.
-//! The default namespace carries none. Tiers: every page is [`Medium::Gpu`] today;
-//! [`RadixCache::node_medium`] is the one place a tiered cache answers otherwise.
+//! The default namespace carries none. Tiers: every page is [`Medium::Gpu`] today; a tiered
+//! cache answers a node's tier in `node_medium` and calls `events_moved` when a node's pages
+//! change tier (`BlockRemoved` on the old medium, `BlockStored` on the new).
 //!
 //! Hybrid caches (sliding-window groups, state slots): events describe the full-attention page
 //! space (the tree's primary pages); the sliding groups' pages and the state slots of a node
