@@ -37,6 +37,7 @@ __all__ = [
     "StateSlotAllocator",
     "RadixNode",
     "RadixCache",
+    "KvEventBatch",
     "page_table",
     "pages_needed",
     "assign_pages",
@@ -177,6 +178,11 @@ def plan(
 _Int32Array: TypeAlias = npt.NDArray[np.int32]
 _IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _Namespace: TypeAlias = None | int | str | bytes | tuple["_Namespace", ...]
+_KvEventTuple: TypeAlias = (
+    tuple[Literal["BlockStored"], list[int], int | None, list[int], int, str, bytes | None]
+    | tuple[Literal["BlockRemoved"], list[int], str]
+    | tuple[Literal["AllBlocksCleared"]]
+)
 
 
 # --- exceptions ----------------------------------------------------------------------------------
@@ -409,6 +415,13 @@ class RadixCache:
         clock; read before any lock is taken. Default: seconds since the cache was made, from
         Rust's monotonic ``std::time::Instant``. An earlier reading than the latest counts as
         the latest.
+    kv_events : bool, default False
+        Record KV events for KV-aware routers (vLLM's ``enable_kv_cache_events``): each cached
+        page keeps its chained hash (``page_hashes``) and every change of the cached pages is
+        recorded in the call that makes it, for ``take_kv_events`` (see ``kvpool.events``).
+    hash_seed : int, default 0
+        Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+        only with ``kv_events=True`` (else ``InvalidArgumentError``).
 
     Notes
     -----
@@ -445,6 +458,8 @@ class RadixCache:
         host_allocator: PageAllocator | None = None,
         max_pinned_tokens: int | None = None,
         now: Callable[[], float] | None = None,
+        kv_events: bool = False,
+        hash_seed: int | None = None,
     ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
@@ -698,6 +713,53 @@ class RadixCache:
     @property
     def max_pinned_tokens(self) -> int:
         """The pin budget in tokens."""
+    def take_kv_events(self) -> list[_KvEventTuple]:
+        """The KV events recorded since the last call, in order (empty without ``kv_events``).
+
+        ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+        namespace)``: uint64 hashes of pages newly cached along one edge, the hash of the page
+        before them (None for a namespace's first page), their token ids, the page size,
+        the medium (``"GPU"``, or ``"CPU"`` on the host tier), the namespace's canonical bytes
+        on a namespace's first page (else None); ``("BlockRemoved", block_hashes, medium)``:
+        pages evicted (merged over one call). With a host tier a demotion is ``BlockRemoved``
+        (GPU) then ``BlockStored`` (CPU) of the node's pages, ``load_back`` the reverse;
+        ``("AllBlocksCleared",)``: ``reset``. More than 2**22 tokens of stored pages left untaken
+        are replaced by a snapshot. Built after the cache's lock is released.
+        """
+    def take_kv_events_batch(self, *, snapshot: bool = False) -> KvEventBatch:
+        """``take_kv_events`` (or with ``snapshot`` a snapshot) as a ``KvEventBatch`` held in Rust
+        (O(1), no Python object per event)."""
+    def kv_events_snapshot(self) -> list[_KvEventTuple]:
+        """``("AllBlocksCleared",)`` then every cached page as ``BlockStored`` (parents first);
+        drops the pending events."""
+    def kv_event_counts(self) -> dict[str, int]:
+        """``events``, ``blocks_stored``, ``blocks_removed``, ``overflows`` since the cache was built."""
+    @property
+    def kv_events(self) -> bool:
+        """Whether the cache records KV events."""
+    @property
+    def hash_seed(self) -> int | None:
+        """The seed of the page hashes, or None without KV events."""
+
+@final
+class KvEventBatch:
+    """KV events taken from a ``RadixCache`` in one call, held in Rust.
+
+    ``len(batch)`` events; ``encode`` writes vLLM's wire form with the GIL released;
+    ``to_list()`` gives the tuples of ``take_kv_events``.
+    """
+
+    def __len__(self) -> int: ...
+    def encode(self, event_format: Literal["array", "map"] = "array") -> bytes:
+        """The events as one msgpack array (the second item of a batch payload)."""
+    def to_list(self) -> list[_KvEventTuple]:
+        """The events as ``take_kv_events`` tuples."""
+    @property
+    def blocks_stored(self) -> int:
+        """Pages the batch announces as stored."""
+    @property
+    def blocks_removed(self) -> int:
+        """Pages the batch announces as removed."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 

@@ -35,10 +35,12 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
+mod events;
 mod groups;
 mod namespace;
 mod tier;
 mod retention;
+pub use events::{encode_events, EventCounts, KvEvent, Medium, WireFormat, MAX_PENDING_TOKENS};
 use groups::Groups;
 use retention::{lru_key, EvictKey, NodeRet, Retention};
 pub use retention::{Retain, Seconds, Stats, MAX_PRIORITY};
@@ -417,6 +419,8 @@ pub struct RadixCache {
     tier: Option<Box<tier::Tier>>,
     /// Priorities, expiries, pins and their counters (see `retention`).
     ret: Retention,
+    /// KV events (page hashes, pending events); None while events are off (see `events`).
+    events: Option<Box<events::Events>>,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -487,6 +491,7 @@ impl RadixCache {
             groups: None,
             tier: None,
             ret: Retention::default(),
+            events: None,
         })
     }
 
@@ -675,6 +680,7 @@ impl RadixCache {
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
         self.on_split(mid);
+        self.events_split(child, mid, m / ps);
         self.node_mut(child).parent = mid;
         self.node_mut(parent).children.replace(first, child, mid);
         mid
@@ -882,6 +888,7 @@ impl RadixCache {
         let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
         self.retain(leaf, retain);
+        self.events_stored(leaf, parent, ns, &tokens[pos..aligned]);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -1009,6 +1016,7 @@ impl RadixCache {
         out: &mut Vec<i32>,
         want: usize,
     ) {
+        self.events_removed(id);
         let n = &self.nodes[id as usize];
         if n.in_lru {
             self.lru.remove(&lru_key(n, id));
@@ -1195,6 +1203,7 @@ impl RadixCache {
         let mut fresh = Self::new(alloc, self.page_size)?;
         fresh.groups = self.groups.take();
         fresh.ret = self.ret.after_reset();
+        fresh.events = self.events_reset();
         *self = fresh;
         Ok(())
     }
@@ -1337,6 +1346,7 @@ impl RadixCache {
             return bad("stale LRU entries".into());
         }
         self.check_retention()?;
+        self.check_events().map_err(RadixError::Corrupt)?;
         for (ns, &r) in &self.roots {
             if self.node(r).ns.as_deref() != Some(&ns[..]) {
                 return bad(format!("root {r} has the wrong namespace"));

@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use numpy::PyArray1;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
 use super::array::{count, ints, page_array, Int};
@@ -18,6 +18,8 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
+#[path = "radix_events.rs"]
+mod events;
 #[path = "radix_groups.rs"]
 mod groups;
 use groups::Groups;
@@ -151,12 +153,21 @@ pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static,
 ///     fake clock; called once per call that matches, inserts, evicts or allocates, before any
 ///     lock is taken. Default: seconds since the cache was made, from Rust's monotonic
 ///     `std::time::Instant`. A reading earlier than the latest is taken as the latest.
+/// kv_events : bool, default False
+///     Record KV events for KV-aware routers (vLLM's `enable_kv_cache_events`): each cached page
+///     keeps its chained hash (`kvpool.page_hashes`) and every change of the cached pages is
+///     recorded in the call that makes it, for `take_kv_events` (see `kvpool.events`).
+/// hash_seed : int, default 0
+///     Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+///     only with `kv_events=True`.
 ///
 /// Raises
 /// ------
 /// InvalidArgumentError
 ///     A page size that differs from the allocator's, a window of 0, a sliding allocator of
-///     another page size, one allocator passed for two spaces.
+///     another page size, one allocator passed for two spaces, `hash_seed` without `kv_events`.
+/// ValueError
+///     `hash_seed` not an int in 0 .. 2**64 - 1.
 ///
 /// Notes
 /// -----
@@ -274,7 +285,7 @@ impl PyRadixCache {
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, host_allocator=None, max_pinned_tokens=None, now=None))]
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, host_allocator=None, max_pinned_tokens=None, now=None, kv_events=false, hash_seed=None))]
     fn new(
         allocator: Bound<'_, PyPageAllocator>,
         page_size: Option<Int>,
@@ -283,6 +294,8 @@ impl PyRadixCache {
         host_allocator: Option<Bound<'_, PyPageAllocator>>,
         max_pinned_tokens: Option<Int>,
         now: Option<Bound<'_, PyAny>>,
+        kv_events: bool,
+        hash_seed: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = allocator.py();
         let alloc = allocator.get().inner.clone();
@@ -291,7 +304,8 @@ impl PyRadixCache {
         let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
         let max_pinned = count("max_pinned_tokens", &max_pinned_tokens.unwrap_or(Int::ZERO))?;
         let clock = Clock::from_py(now)?;
-        let cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        let mut cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        events::configure(&mut cache, kv_events, hash_seed.as_ref())?;
         let this = Self {
             alloc,
             allocator: allocator.unbind(),
@@ -671,6 +685,62 @@ impl PyRadixCache {
         with_lock(py, &self.cache, false, |c| c.max_pinned_tokens())
     }
 
+    // --- KV events (see `radix_events.rs`) ---
+
+    /// The KV events recorded since the last call, in order, as plain tuples (empty when the
+    /// cache was built without `kv_events=True`). Built after the cache's lock is released.
+    ///
+    /// Returns
+    /// -------
+    /// list of tuple
+    ///     ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+    ///     namespace)``: the uint64 hashes (list of int) of pages newly cached along one edge, the
+    ///     hash of the page before them (None for a namespace's first page), their token ids
+    ///     (``len(block_hashes) * block_size``), the page size, the medium (``"GPU"``, or
+    ///     ``"CPU"`` on the host tier), and the namespace's canonical bytes on a namespace's first
+    ///     page (None otherwise and for the default namespace); ``("BlockRemoved", block_hashes,
+    ///     medium)``: pages evicted (merged over one call); with a host tier a demotion is
+    ///     ``BlockRemoved`` (GPU) then ``BlockStored`` (CPU), `load_back` the reverse;
+    ///     ``("AllBlocksCleared",)``: `reset`. After more than 2**22 tokens of stored pages
+    ///     piled up untaken, the pending events are replaced by a snapshot (as
+    ///     `kv_events_snapshot`).
+    fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, false)
+    }
+
+    /// `take_kv_events` (or, with `snapshot`, `kv_events_snapshot`) as a `KvEventBatch` held in
+    /// Rust: O(1), no Python object per event; `batch.encode(event_format)` writes vLLM's wire
+    /// form with the GIL released (what `kvpool.events.EventPublisher` sends).
+    #[pyo3(signature = (*, snapshot=false))]
+    fn take_kv_events_batch(&self, py: Python<'_>, snapshot: bool) -> events::PyKvEventBatch {
+        self.events_batch(py, snapshot)
+    }
+
+    /// A full resync: ``("AllBlocksCleared",)`` followed by every cached page as ``BlockStored``
+    /// (one event per node, parents first), in the form of `take_kv_events`. Drops the pending
+    /// events, which the snapshot supersedes; empty when KV events are off.
+    fn kv_events_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, true)
+    }
+
+    /// What KV events recorded since the cache was built: a dict of ``events``,
+    /// ``blocks_stored``, ``blocks_removed`` (pages) and ``overflows`` (pending buffers replaced
+    /// by a snapshot); zeros when KV events are off.
+    fn kv_event_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.events_counts(py)
+    }
+
+    /// Whether the cache records KV events (`kv_events=True`).
+    #[getter]
+    fn kv_events(&self, py: Python<'_>) -> bool {
+        with_lock(py, &self.cache, false, |c| c.kv_events_enabled())
+    }
+    /// The seed of the page hashes, or None without KV events.
+    #[getter]
+    fn hash_seed(&self, py: Python<'_>) -> Option<u64> {
+        with_lock(py, &self.cache, false, |c| c.hash_seed())
+    }
+
     // --- hybrid models (see `radix_groups.rs`) ---
 
     /// Longest prefix of `tokens` that every group of a hybrid cache can serve.
@@ -882,5 +952,6 @@ impl PyRadixCache {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRadixNode>()?;
+    m.add_class::<events::PyKvEventBatch>()?;
     m.add_class::<PyRadixCache>()
 }

@@ -23,6 +23,9 @@
 //! - Host nodes are never locked or pinned (`lock` or `pin` of one raises
 //!   [`RadixError::OnHost`]); the host pages a loader is still reading can be protected with the
 //!   host allocator's `inc_ref`.
+//! - **KV events.** A demotion records `BlockRemoved` (GPU) and `BlockStored` (CPU) for the
+//!   node's pages, a load back the reverse, a dropped host node `BlockRemoved` (CPU) (see
+//!   `events`).
 //! - **Retention.** Demotion follows the eviction order (lowest priority, then least recently
 //!   used; pinned nodes are never demoted), and the host tier drops its own leaves in the same
 //!   (priority, last access) order; a host node keeps its priority and expiry.
@@ -33,7 +36,7 @@
 use std::collections::BTreeSet;
 
 use super::{lru_key, EvictKey, Goal, Handle, Namespace, Others, Plan, RadixCache, RadixError};
-use super::{NONE, SUPER};
+use super::{Medium, NONE, SUPER};
 use crate::alloc::{AllocError, PageAllocator, RawPage};
 
 /// Counters of the host tier, in pages and tokens since construction or `reset`.
@@ -325,6 +328,7 @@ impl RadixCache {
         self.node_mut(parent).host_kids += 1;
         self.refresh_host(id);
         self.refresh(parent);
+        self.events_moved(id, Medium::Gpu, Medium::Cpu);
     }
 
     fn apply_tiered(
@@ -469,6 +473,7 @@ impl RadixCache {
         }
         for &id in chain {
             self.refresh(id);
+            self.events_moved(id, Medium::Cpu, Medium::Gpu);
         }
         old
     }
@@ -597,3 +602,7 @@ mod tests;
 #[cfg(test)]
 #[path = "tier_retention_tests.rs"]
 mod retention_tests;
+
+#[cfg(test)]
+#[path = "tier_events_tests.rs"]
+mod events_tests;

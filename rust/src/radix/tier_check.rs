@@ -37,9 +37,11 @@ impl RadixCache {
         }
         let host_id = self.tier.as_ref().map_or(0, |t| t.host_id);
         let ret = self.ret.after_reset();
+        let events = self.events_reset();
         *self = Self::new(alloc, self.page_size)?;
         self.tier = Some(Tier::new(host_id));
         self.ret = ret;
+        self.events = events;
         Ok(())
     }
 
