@@ -17,6 +17,7 @@ from kvpool._core import (
     OutOfPagesError,
     PageAllocator,
     PageError,
+    PinBudgetError,
     RadixCache,
     RadixNode,
     SizingError,
@@ -29,6 +30,7 @@ from kvpool._core import (
     page_table,
     pages_needed,
     release_window_pages,
+    rollback_slots,
 )
 from kvpool._version import __version__ as __version__
 from kvpool.config import ModelSpec
@@ -50,6 +52,7 @@ __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "PageError",
+    "PinBudgetError",
     "Plan",
     "RadixCache",
     "RadixNode",
@@ -64,6 +67,7 @@ __all__ = [
     "page_table",
     "pages_needed",
     "release_window_pages",
+    "rollback_slots",
     "size_for",
 ]
 

@@ -1,5 +1,6 @@
 """Type stub of the native module ``kvpool._core`` (Rust, PyO3). Byte counts are ``int`` bytes."""
 
+from collections.abc import Callable
 from typing import Literal, TypeAlias, final
 
 import numpy as np
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidArgumentError",
     "StaleNodeError",
     "LockError",
+    "PinBudgetError",
     "CacheBusyError",
     "CacheCorruptError",
     "BatchError",
@@ -35,6 +37,7 @@ __all__ = [
     "StateSlotAllocator",
     "RadixNode",
     "RadixCache",
+    "KvEventBatch",
     "page_table",
     "pages_needed",
     "assign_pages",
@@ -42,6 +45,7 @@ __all__ = [
     "decode_slots",
     "release_window_pages",
     "page_hashes",
+    "rollback_slots",
 ]
 
 KV_DTYPES: list[str]
@@ -174,6 +178,11 @@ def plan(
 _Int32Array: TypeAlias = npt.NDArray[np.int32]
 _IntArray: TypeAlias = npt.NDArray[np.int32] | npt.NDArray[np.int64]
 _Namespace: TypeAlias = None | int | str | bytes | tuple["_Namespace", ...]
+_KvEventTuple: TypeAlias = (
+    tuple[Literal["BlockStored"], list[int], int | None, list[int], int, str, bytes | None]
+    | tuple[Literal["BlockRemoved"], list[int], str]
+    | tuple[Literal["AllBlocksCleared"]]
+)
 
 
 # --- exceptions ----------------------------------------------------------------------------------
@@ -211,6 +220,10 @@ class StaleNodeError(KeyError):
 
 class LockError(ValueError):
     """``unlock`` without a matching ``lock`` on the same node (the count would go below zero)."""
+
+class PinBudgetError(LockError):
+    """A ``pin`` that would take the pinned tokens beyond ``max_pinned_tokens`` (nothing
+    changed)."""
 
 class CacheBusyError(RuntimeError):
     """The cache cannot do this (``reset``) while locks are held."""
@@ -395,6 +408,20 @@ class RadixCache:
         (``take_demotions`` lists the copies to make), the host tier drops its own LRU entries
         when full, ``match_prefix_host`` finds host pages after the device match and
         ``load_back`` moves them back (see :mod:`kvpool.tier`).
+    max_pinned_tokens : int, default 0
+        The pin budget in tokens: ``pin`` beyond it raises ``PinBudgetError`` (0: no pins).
+    now : callable, optional
+        The clock, returning seconds (any origin), e.g. ``time.monotonic`` or a test's fake
+        clock; read before any lock is taken. Default: seconds since the cache was made, from
+        Rust's monotonic ``std::time::Instant``. An earlier reading than the latest counts as
+        the latest.
+    kv_events : bool, default False
+        Record KV events for KV-aware routers (vLLM's ``enable_kv_cache_events``): each cached
+        page keeps its chained hash (``page_hashes``) and every change of the cached pages is
+        recorded in the call that makes it, for ``take_kv_events`` (see ``kvpool.events``).
+    hash_seed : int, default 0
+        Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+        only with ``kv_events=True`` (else ``InvalidArgumentError``).
 
     Notes
     -----
@@ -429,6 +456,10 @@ class RadixCache:
         sliding: list[tuple[PageAllocator, int]] | None = None,
         state_slots: StateSlotAllocator | PageAllocator | None = None,
         host_allocator: PageAllocator | None = None,
+        max_pinned_tokens: int | None = None,
+        now: Callable[[], float] | None = None,
+        kv_events: bool = False,
+        hash_seed: int | None = None,
     ) -> Self: ...
     def match_prefix(
         self, tokens: _IntArray, namespace: _Namespace = None
@@ -452,8 +483,15 @@ class RadixCache:
         *,
         sliding_pages: list[_IntArray] | None = None,
         state_slot: int | None = None,
+        priority: int | None = None,
+        retention_s: float | None = None,
     ) -> int:
         """Caches the whole pages of ``tokens``; returns how many tokens were already cached.
+
+        ``priority`` (0..100, default 0) and ``retention_s`` (seconds, default None: no decay)
+        go to the nodes this call inserts or walks through, until ``retention_s`` after their
+        last hit; a lower priority never lowers a node's current one. Insert committed tokens
+        only (see ``rollback_slots``).
 
         ``pages`` has one id per page of ``tokens`` (``len(tokens) // page_size``, or one more
         for the partial last page, which is not cached). The cache takes a reference on the
@@ -542,9 +580,36 @@ class RadixCache:
         StaleNodeError
             The node is gone.
         """
+    def pin(self, node: RadixNode) -> None:
+        """Keeps the node's path in the cache across requests until ``unpin`` (apart from locks).
+
+        Raises
+        ------
+        PinBudgetError
+            The pinned tokens would exceed ``max_pinned_tokens``; nothing changed.
+        StaleNodeError
+            The node is gone.
+        InvalidArgumentError
+            The node is on the host tier (``load_back`` it first).
+        """
+    def unpin(self, node: RadixNode) -> None:
+        """Releases one ``pin`` of this very node.
+
+        Raises
+        ------
+        LockError
+            The node holds no pin of its own.
+        StaleNodeError
+            The node is gone.
+        """
+    def stats(self) -> dict[str, int | dict[int, int]]:
+        """Counters: ``evicted_tokens``, ``evicted_nodes``, ``evicted_tokens_by_priority``
+        ({priority: tokens}), ``pinned_tokens``, ``max_pinned_tokens``, ``retention_expiries``,
+        ``retained_nodes``, and the hit/miss/size properties."""
     def evict(self, num_tokens: int) -> int:
-        """Evicts least-recently-used unlocked leaves (then their parents) until ``num_tokens``
-        tokens left the cache or nothing evictable is left; returns the tokens evicted (whole
+        """Evicts unlocked, unpinned leaves (then their parents), lowest current priority first
+        and least recently used within one, until ``num_tokens`` tokens left the cache or
+        nothing evictable is left; returns the tokens evicted (whole
         nodes, so possibly more than asked)."""
     def alloc(self, n: int) -> _Int32Array:
         """Allocates ``n`` pages, evicting LRU entries first when fewer are free.
@@ -557,7 +622,7 @@ class RadixCache:
     def try_alloc(self, n: int) -> _Int32Array | None:
         """As ``alloc``, but returns None instead of raising ``OutOfPagesError``."""
     def reset(self) -> None:
-        """Empties the cache and zeroes the counters; every handle becomes stale.
+        """Empties the cache and zeroes the counters (pins are dropped); every handle becomes stale.
 
         Raises
         ------
@@ -576,10 +641,10 @@ class RadixCache:
         """Tokens per page."""
     @property
     def evictable_size(self) -> int:
-        """Cached tokens no lock protects."""
+        """Cached tokens no lock or pin protects."""
     @property
     def protected_size(self) -> int:
-        """Cached tokens on locked paths."""
+        """Cached tokens on locked or pinned paths."""
     @property
     def total_size(self) -> int:
         """All cached tokens (``evictable_size + protected_size``)."""
@@ -642,6 +707,59 @@ class RadixCache:
     @property
     def host_allocator(self) -> PageAllocator | None:
         """The host tier's allocator, or None."""
+    @property
+    def pinned_tokens(self) -> int:
+        """Tokens on pinned paths (each counted once)."""
+    @property
+    def max_pinned_tokens(self) -> int:
+        """The pin budget in tokens."""
+    def take_kv_events(self) -> list[_KvEventTuple]:
+        """The KV events recorded since the last call, in order (empty without ``kv_events``).
+
+        ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+        namespace)``: uint64 hashes of pages newly cached along one edge, the hash of the page
+        before them (None for a namespace's first page), their token ids, the page size,
+        the medium (``"GPU"``, or ``"CPU"`` on the host tier), the namespace's canonical bytes
+        on a namespace's first page (else None); ``("BlockRemoved", block_hashes, medium)``:
+        pages evicted (merged over one call). With a host tier a demotion is ``BlockRemoved``
+        (GPU) then ``BlockStored`` (CPU) of the node's pages, ``load_back`` the reverse;
+        ``("AllBlocksCleared",)``: ``reset``. More than 2**22 tokens of stored pages left untaken
+        are replaced by a snapshot. Built after the cache's lock is released.
+        """
+    def take_kv_events_batch(self, *, snapshot: bool = False) -> KvEventBatch:
+        """``take_kv_events`` (or with ``snapshot`` a snapshot) as a ``KvEventBatch`` held in Rust
+        (O(1), no Python object per event)."""
+    def kv_events_snapshot(self) -> list[_KvEventTuple]:
+        """``("AllBlocksCleared",)`` then every cached page as ``BlockStored`` (parents first);
+        drops the pending events."""
+    def kv_event_counts(self) -> dict[str, int]:
+        """``events``, ``blocks_stored``, ``blocks_removed``, ``overflows`` since the cache was built."""
+    @property
+    def kv_events(self) -> bool:
+        """Whether the cache records KV events."""
+    @property
+    def hash_seed(self) -> int | None:
+        """The seed of the page hashes, or None without KV events."""
+
+@final
+class KvEventBatch:
+    """KV events taken from a ``RadixCache`` in one call, held in Rust.
+
+    ``len(batch)`` events; ``encode`` writes vLLM's wire form with the GIL released;
+    ``to_list()`` gives the tuples of ``take_kv_events``.
+    """
+
+    def __len__(self) -> int: ...
+    def encode(self, event_format: Literal["array", "map"] = "array") -> bytes:
+        """The events as one msgpack array (the second item of a batch payload)."""
+    def to_list(self) -> list[_KvEventTuple]:
+        """The events as ``take_kv_events`` tuples."""
+    @property
+    def blocks_stored(self) -> int:
+        """Pages the batch announces as stored."""
+    @property
+    def blocks_removed(self) -> int:
+        """Pages the batch announces as removed."""
 
 # --- batch helpers -------------------------------------------------------------------------------
 
@@ -687,6 +805,25 @@ def decode_slots(
     page_table: _Int32Array, seq_lens: _IntArray, page_size: int, *, out: _Int32Array | None = None
 ) -> _Int32Array:
     """Slot of each request's last token (position ``seq_lens[i] - 1``) for a decode step."""
+
+def rollback_slots(
+    page_table: _Int32Array,
+    seq_lens: _IntArray,
+    accepted_lens: _IntArray,
+    page_size: int,
+    *,
+    cached_lens: _IntArray | None = None,
+) -> tuple[_Int32Array, _Int32Array]:
+    """Speculative-decoding rollback: ``(pages_to_free, new_seq_lens)``, the pages of entries
+    ``ceil(accepted / page_size) .. ceil(seq / page_size)`` of each row (int32, batch order)
+    and ``accepted_lens`` as int32. The table is only read.
+
+    Raises
+    ------
+    BatchError
+        ``accepted_lens[i] > seq_lens[i]``, ``accepted_lens[i] < cached_lens[i]``, a negative
+        length, a padding entry among those to free (nothing returned).
+    """
 
 def release_window_pages(
     allocator: PageAllocator,

@@ -25,6 +25,9 @@
 
 use crate::layout::PADDING_PAGE;
 
+mod rollback;
+pub use rollback::rollback_slots;
+
 /// Errors of the `batch` room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BatchError {
@@ -82,7 +85,12 @@ pub enum BatchError {
         index: usize,
         position: i64,
         page: i32,
-    },
+    },    #[error("`accepted_lens[{index}]` = {accepted} exceeds `seq_lens[{index}]` = {seq}: a rollback keeps at most the tokens written")]
+    AcceptedBeyondSeq { index: usize, accepted: i64, seq: i64 },
+    #[error("`accepted_lens[{index}]` = {accepted} is below `cached_lens[{index}]` = {cached}: the tree may hold those tokens' pages, a rollback never reaches into them")]
+    BelowCached { index: usize, accepted: i64, cached: i64 },
+    #[error("`page_table[{index}, {entry}]` = `{page}` (padding or invalid) is among the entries to free: request {index} holds no page there")]
+    NoPageToFree { index: usize, entry: usize, page: i32 },
 }
 
 fn check_lens(prefix: &[i64], seq: &[i64]) -> Result<(), BatchError> {

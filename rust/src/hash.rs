@@ -37,9 +37,11 @@ pub fn root_hash(ns: &Namespace, seed: u64) -> u64 {
 /// `buf` is scratch space, reused across calls.
 pub fn next_hash(parent: u64, tokens: &[i32], seed: u64, buf: &mut Vec<u8>) -> u64 {
     buf.clear();
-    buf.extend_from_slice(&parent.to_le_bytes());
-    for t in tokens {
-        buf.extend_from_slice(&t.to_le_bytes());
+    buf.resize(8 + 4 * tokens.len(), 0);
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    // (one sized buffer, filled in a loop the compiler turns into a copy on little-endian)
+    for (d, t) in buf[8..].chunks_exact_mut(4).zip(tokens) {
+        d.copy_from_slice(&t.to_le_bytes());
     }
     xxh3_64_with_seed(buf, seed)
 }

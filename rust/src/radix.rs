@@ -35,10 +35,15 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 
 use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
+mod events;
 mod groups;
 mod namespace;
 mod tier;
+mod retention;
+pub use events::{encode_events, EventCounts, KvEvent, Medium, WireFormat, MAX_PENDING_TOKENS};
 use groups::Groups;
+use retention::{lru_key, EvictKey, NodeRet, Retention};
+pub use retention::{Retain, Seconds, Stats, MAX_PRIORITY};
 pub use groups::{GroupMatch, GroupPath, Others};
 pub use namespace::{Namespace, NamespaceBuilder};
 pub use tier::{HostMatch, TierStats};
@@ -109,6 +114,23 @@ pub enum RadixError {
     NotOnHost { node: u32 },
     #[error("`pages` has {got} entries, but node `{node}` and its host ancestors hold {expected} host pages")]
     LoadLength { node: u32, expected: usize, got: usize },
+    #[error("`priority` = {value} is outside 0..=100 (higher is kept longer)")]
+    BadPriority { value: i64 },
+    #[error("`retention_s` = {value}: a retention is a number of seconds >= 0 (None: no decay)")]
+    BadRetention { value: String },
+    #[error("the clock (`now`) read `{value}`: not a finite number of seconds")]
+    BadTime { value: String },
+    #[error("unpin of node `{node}`, which holds no pin (each unpin must match one pin of the same handle)")]
+    NotPinned { node: u32 },
+    #[error("pin count of node `{node}` would overflow")]
+    PinOverflow { node: u32 },
+    #[error("pin of node `{node}` would pin {tokens} more tokens, {pinned} of the budget `max_pinned_tokens` = {max} are pinned already")]
+    PinBudget {
+        node: u32,
+        tokens: usize,
+        pinned: usize,
+        max: usize,
+    },
 }
 
 /// Narrows int64 token ids to int32 (token ids of every tokenizer fit).
@@ -208,6 +230,8 @@ struct Node {
     /// Children on the host tier (a device node with only those is a device leaf).
     host_kids: u32,
     in_host_lru: bool,
+    /// Priority, retention and pins (see `retention`).
+    ret: NodeRet,
 }
 
 impl Node {
@@ -382,8 +406,8 @@ pub struct RadixCache {
     nodes: Vec<Node>,
     free_slots: Vec<u32>,
     roots: HashMap<Box<[u8]>, u32>,
-    /// Unlocked leaves by (last access, slot): the eviction order.
-    lru: BTreeSet<(u64, u32)>,
+    /// Unlocked, unpinned leaves by (current priority, last access, slot): the eviction order.
+    lru: BTreeSet<EvictKey>,
     clock: u64,
     evictable: usize,
     protected: usize,
@@ -393,6 +417,10 @@ pub struct RadixCache {
     groups: Option<Box<Groups>>,
     /// The host-memory tier, when built with a host allocator.
     tier: Option<Box<tier::Tier>>,
+    /// Priorities, expiries, pins and their counters (see `retention`).
+    ret: Retention,
+    /// KV events (page hashes, pending events); None while events are off (see `events`).
+    events: Option<Box<events::Events>>,
 }
 
 fn common_prefix(a: &[i32], b: &[i32]) -> usize {
@@ -462,17 +490,19 @@ impl RadixCache {
             miss: 0,
             groups: None,
             tier: None,
+            ret: Retention::default(),
+            events: None,
         })
     }
 
     pub const fn page_size(&self) -> usize {
         self.page_size
     }
-    /// Cached tokens no lock protects.
+    /// Cached tokens no lock or pin protects.
     pub const fn evictable_size(&self) -> usize {
         self.evictable
     }
-    /// Cached tokens on locked paths.
+    /// Cached tokens on locked or pinned paths.
     pub const fn protected_size(&self) -> usize {
         self.protected
     }
@@ -573,7 +603,12 @@ impl RadixCache {
 
     fn is_evictable_leaf(&self, id: u32) -> bool {
         let n = self.node(id);
-        n.live && !n.key().is_empty() && !n.host && n.children.len() == n.host_kids as usize && n.lock == 0
+        n.live
+            && !n.key().is_empty()
+            && !n.host
+            && n.children.len() == n.host_kids as usize
+            && n.lock == 0
+            && n.ret.pins == 0
     }
 
     /// Puts `id` in or out of the LRU set after its children, lock or access time changed.
@@ -584,11 +619,11 @@ impl RadixCache {
         let want = self.is_evictable_leaf(id);
         let n = &mut self.nodes[id as usize];
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
+            self.lru.remove(&lru_key(n, id));
         }
         n.in_lru = want;
         if want {
-            self.lru.insert((n.last_access, id));
+            self.lru.insert(lru_key(n, id));
         }
     }
 
@@ -598,13 +633,14 @@ impl RadixCache {
             return;
         }
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
-            self.lru.insert((clock, id));
+            self.lru.remove(&lru_key(n, id));
+            self.lru.insert((n.ret.priority, clock, id));
         }
         let old = std::mem::replace(&mut n.last_access, clock);
         if n.in_host_lru {
             self.touch_host(id, old, clock);
         }
+        self.hit_retention(id);
     }
 
     /// Splits `child` after `m` tokens (a positive multiple of the page size below its length).
@@ -614,6 +650,7 @@ impl RadixCache {
         let shape = self.shape();
         let c = &mut self.nodes[child as usize];
         let (parent, lock, last_access, host) = (c.parent, c.lock, c.last_access, c.host);
+        let ret = c.ret.head();
         // `child` keeps its slot with the rest (a buffer of its own); the head takes a new slot.
         let old = std::mem::take(&mut c.data);
         let (key, pages) = old.split_at(c.key_len as usize);
@@ -638,9 +675,12 @@ impl RadixCache {
             extra,
             host,
             host_kids: u32::from(host),
+            ret,
             ..Node::default()
         };
         let mid = self.new_node(head, &key[..m], pages[..m / ps].iter().copied());
+        self.on_split(mid);
+        self.events_split(child, mid, m / ps);
         self.node_mut(child).parent = mid;
         self.node_mut(parent).children.replace(first, child, mid);
         mid
@@ -806,10 +846,12 @@ impl RadixCache {
         // Validated: from here on nothing fails.
         self.clock += 1;
         let clock = self.clock;
+        let retain = self.ret.take_pending();
         // The whole nodes walked: `last` and its ancestors below the namespace root.
         let mut id = last;
         while id != NONE && Some(id) != root {
             self.touch(id, clock);
+            self.retain(id, retain);
             id = self.node(id).parent;
         }
         let mut parent = if last != NONE {
@@ -821,6 +863,7 @@ impl RadixCache {
             parent = self.split(child, m);
             self.touch(parent, clock);
             host_at = host_at.map(|(h, p)| (if h == child { parent } else { h }, p));
+            self.retain(parent, retain);
         }
         let promoted = self.promote_walked(host_at, parent, &taken);
         let taken = &taken[promoted..];
@@ -844,6 +887,8 @@ impl RadixCache {
         let taken = taken.iter().map(|p| p.to_i64() as i32);
         let leaf = self.new_node(leaf, &tokens[pos..aligned], taken);
         self.node_mut(parent).children.insert(tokens[pos], leaf);
+        self.retain(leaf, retain);
+        self.events_stored(leaf, parent, ns, &tokens[pos..aligned]);
         self.evictable += aligned - pos;
         self.refresh(parent);
         self.refresh(leaf);
@@ -870,8 +915,10 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock += 1;
             if n.lock == 1 {
-                self.evictable -= n.key().len();
-                self.protected += n.key().len();
+                if n.ret.pins == 0 {
+                    self.evictable -= n.key().len();
+                    self.protected += n.key().len();
+                }
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -895,8 +942,10 @@ impl RadixCache {
             let n = &mut self.nodes[cur as usize];
             n.lock -= 1;
             if n.lock == 0 {
-                self.protected -= n.key().len();
-                self.evictable += n.key().len();
+                if n.ret.pins == 0 {
+                    self.protected -= n.key().len();
+                    self.evictable += n.key().len();
+                }
                 self.refresh(cur);
             }
             cur = self.node(cur).parent;
@@ -906,14 +955,15 @@ impl RadixCache {
 
     /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
     /// once all their children are gone. Changes nothing; stops early when the goal is reached.
-    fn plan(&self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
+    fn plan(&mut self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
+        self.expire();
         let mut plan = Plan {
             order: Vec::new(),
             tokens: 0,
             freed_pages: 0,
         };
         let mut leaves = self.lru.iter().copied().peekable();
-        let mut exposed: BinaryHeap<Reverse<(u64, u32)>> = BinaryHeap::new();
+        let mut exposed: BinaryHeap<Reverse<EvictKey>> = BinaryHeap::new();
         let mut gone: HashMap<u32, usize> = HashMap::new();
         // With no cached page shared, every evicted page is freed: no need to look at each.
         let exact = alloc.shared_cached() == 0;
@@ -933,7 +983,7 @@ impl RadixCache {
                 (None, Some(_)) => exposed.pop().map(|r| r.0),
                 (None, None) => None,
             };
-            let Some((_, id)) = next else { break };
+            let Some((_, _, id)) = next else { break };
             let n = self.node(id);
             plan.order.push(id);
             plan.tokens += n.key().len();
@@ -944,11 +994,11 @@ impl RadixCache {
                 _ => n.pages().iter().filter(|&&p| alloc.only_cached(p)).count(),
             };
             let parent = self.node(n.parent);
-            if !parent.key().is_empty() && parent.lock == 0 {
+            if !parent.key().is_empty() && parent.lock == 0 && parent.ret.pins == 0 {
                 let g = gone.entry(n.parent).or_insert(0);
                 *g += 1;
                 if *g == parent.children.len() - parent.host_kids as usize {
-                    exposed.push(Reverse((parent.last_access, n.parent)));
+                    exposed.push(Reverse(lru_key(parent, n.parent)));
                 }
             }
         }
@@ -966,10 +1016,13 @@ impl RadixCache {
         out: &mut Vec<i32>,
         want: usize,
     ) {
+        self.events_removed(id);
         let n = &self.nodes[id as usize];
         if n.in_lru {
-            self.lru.remove(&(n.last_access, id));
+            self.lru.remove(&lru_key(n, id));
         }
+        self.on_evict(id);
+        let n = &self.nodes[id as usize];
         alloc.release_cached_into(n.pages(), out, want);
         if !n.extra.is_empty() {
             self.release_extra(id, others);
@@ -1009,7 +1062,8 @@ impl RadixCache {
         }
     }
 
-    /// Evicts least-recently-used unlocked leaves (then their parents) until at least
+    /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
+    /// least recently used within one priority (see `retention`), until at least
     /// `num_tokens` tokens left the tree or nothing evictable is left. Whole nodes go, so more
     /// than asked may be evicted. Returns the tokens evicted.
     ///
@@ -1148,6 +1202,8 @@ impl RadixCache {
         }
         let mut fresh = Self::new(alloc, self.page_size)?;
         fresh.groups = self.groups.take();
+        fresh.ret = self.ret.after_reset();
+        fresh.events = self.events_reset();
         *self = fresh;
         Ok(())
     }
@@ -1248,13 +1304,13 @@ impl RadixCache {
             if n.host {
                 continue; // host pages and LRU: `check_invariants_tiered`
             }
-            if n.lock == 0 {
+            if n.lock == 0 && n.ret.pins == 0 {
                 evictable += n.key().len();
             } else {
                 protected += n.key().len();
             }
             if n.in_lru != self.is_evictable_leaf(id)
-                || (n.in_lru && !self.lru.contains(&(n.last_access, id)))
+                || (n.in_lru && !self.lru.contains(&lru_key(n, id)))
             {
                 return bad(format!("node {id}: LRU membership wrong"));
             }
@@ -1289,6 +1345,8 @@ impl RadixCache {
         if in_lru != self.lru.len() {
             return bad("stale LRU entries".into());
         }
+        self.check_retention()?;
+        self.check_events().map_err(RadixError::Corrupt)?;
         for (ns, &r) in &self.roots {
             if self.node(r).ns.as_deref() != Some(&ns[..]) {
                 return bad(format!("root {r} has the wrong namespace"));

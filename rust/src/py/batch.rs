@@ -210,11 +210,100 @@ fn decode_slots<'py>(
     Ok(out)
 }
 
+/// Speculative-decoding rollback: the pages wholly past each request's accepted length.
+///
+/// Request `i` keeps tokens `0..accepted_lens[i]`; its page-table entries from
+/// `ceil(accepted_lens[i] / page_size)` to `ceil(seq_lens[i] / page_size) - 1` hold rejected
+/// draft tokens only, and their pages are returned for `allocator.free` (the page holding the
+/// last accepted token stays; the next step overwrites its rejected tail). The table is only
+/// read: its entries from `ceil(new_seq_lens[i] / page_size)` on are no longer the request's
+/// (`assign_pages` overwrites them next step).
+///
+/// Pages shared with the radix tree are never among them when the serving loop inserts only
+/// committed tokens: the tree holds whole pages below the request's committed length, and
+/// `accepted_lens` is at least that. Pass that length as `cached_lens` to have it checked (the
+/// matched length plus what earlier steps inserted).
+///
+/// Parameters
+/// ----------
+/// page_table : numpy.ndarray
+///     int32, shape `[B, max_pages]`, C-contiguous: each request's pages after the verify step.
+/// seq_lens : numpy.ndarray
+///     int32 or int64, shape `[B]`: tokens written per request, drafts included.
+/// accepted_lens : numpy.ndarray
+///     int32 or int64, shape `[B]`: tokens kept per request (`<= seq_lens`).
+/// page_size : int
+///     Tokens per page.
+/// cached_lens : numpy.ndarray, optional
+///     int32 or int64, shape `[B]`: the prefix each request shares with the tree; a rollback
+///     below it is refused.
+///
+/// Returns
+/// -------
+/// tuple
+///     `(pages_to_free, new_seq_lens)`: int32 page ids in batch order, shape `(total,)`, and
+///     int32 `accepted_lens`, shape `[B]`. A page shared by two rows (`inc_ref`) is listed once
+///     per row.
+///
+/// Raises
+/// ------
+/// BatchError
+///     `accepted_lens[i]` beyond `seq_lens[i]` or below `cached_lens[i]`, a negative length,
+///     mismatched lengths, more pages than `max_pages` columns, a padding entry (0) among those
+///     to free: naming the request and the value; nothing is returned.
+/// ArrayTypeError
+///     An array of the wrong dtype, rank or memory order.
+///
+/// Examples
+/// --------
+/// Serving loop of a speculative step (draft, verify with `extend`, rollback, insert), for a
+/// request at `seq` tokens with `k` drafts:
+///
+/// 1. `new = cache.alloc(pages_needed(seq, seq + k))`; `assign_pages(...)`;
+/// 2. the verify forward writes KV at `extend_slots(table, seq, seq + k, page_size)`;
+/// 3. verification keeps `accepted` tokens: `free, lens = rollback_slots(table, seq + k,
+///    accepted, page_size)`; `allocator.free(free)`;
+/// 4. `cache.insert(tokens[:accepted], row_pages)`: committed tokens only.
+///
+/// >>> import numpy as np, kvpool
+/// >>> table = np.array([[11, 12, 13], [21, 0, 0]], dtype=np.int32)
+/// >>> lens = lambda *x: np.array(x, dtype=np.int32)
+/// >>> free, new = kvpool.rollback_slots(table, lens(10, 3), lens(5, 3), 4)
+/// >>> free.tolist(), new.tolist()
+/// ([13], [5, 3])
+#[pyfunction]
+#[pyo3(signature = (page_table, seq_lens, accepted_lens, page_size, *, cached_lens=None))]
+fn rollback_slots<'py>(
+    py: Python<'py>,
+    page_table: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    accepted_lens: &Bound<'py, PyAny>,
+    page_size: Int,
+    cached_lens: Option<&Bound<'py, PyAny>>,
+) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
+    let (t, _, width) = table(page_table, "page_table")?;
+    let (s, a) = (ints(seq_lens, "seq_lens")?, ints(accepted_lens, "accepted_lens")?);
+    let (s, a) = (s.lens("seq_lens")?, a.lens("accepted_lens")?);
+    let c = cached_lens.map(|c| ints(c, "cached_lens")).transpose()?;
+    let c = c.as_ref().map(|c| c.lens("cached_lens")).transpose()?;
+    let ps = count("page_size", &page_size)?;
+    let r = t
+        .try_readonly()
+        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = r
+        .as_slice()
+        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    let (free, lens) =
+        batch::rollback_slots(tab, width, &s, &a, ps, c.as_deref()).map_err(to_py)?;
+    Ok((PyArray1::from_vec(py, free), PyArray1::from_vec(py, lens)))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(page_table, m)?)?;
     m.add_function(wrap_pyfunction!(pages_needed, m)?)?;
     m.add_function(wrap_pyfunction!(assign_pages, m)?)?;
     m.add_function(wrap_pyfunction!(extend_slots, m)?)?;
     m.add_function(wrap_pyfunction!(decode_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(rollback_slots, m)?)?;
     Ok(())
 }

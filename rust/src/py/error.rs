@@ -24,6 +24,7 @@ create_exception!(kvpool, PageError, PyValueError, "A page id that cannot be use
 create_exception!(kvpool, InvalidArgumentError, PyValueError, "A bad argument to the allocator or the cache: negative count, mismatched lengths, wrong page size, unsupported namespace.");
 create_exception!(kvpool, StaleNodeError, PyKeyError, "A node handle whose node was evicted, whose cache was reset, or that belongs to another cache.");
 create_exception!(kvpool, LockError, PyValueError, "An unlock without a matching lock on the same node (the count would go below zero).");
+create_exception!(kvpool, PinBudgetError, LockError, "A pin that would take the pinned tokens beyond the cache's `max_pinned_tokens` (nothing changed).");
 create_exception!(kvpool, CacheBusyError, PyRuntimeError, "The cache cannot do this while locks are held.");
 create_exception!(kvpool, CacheCorruptError, PyRuntimeError, "An internal invariant of the radix cache is broken (a bug in kvpool).");
 create_exception!(kvpool, BatchError, PyValueError, "Inconsistent batch metadata: lengths, page-table width, missing pages.");
@@ -99,7 +100,14 @@ fn radix_err(e: RadixError, msg: String) -> PyErr {
         | RadixError::LengthMismatch { .. }
         | RadixError::TokenOutOfRange { .. } => InvalidArgumentError::new_err(msg),
         RadixError::StaleHandle { .. } => StaleNodeError::new_err(msg),
-        RadixError::NotLocked { .. } | RadixError::LockOverflow { .. } => LockError::new_err(msg),
+        RadixError::NotLocked { .. }
+        | RadixError::LockOverflow { .. }
+        | RadixError::NotPinned { .. }
+        | RadixError::PinOverflow { .. } => LockError::new_err(msg),
+        RadixError::PinBudget { .. } => PinBudgetError::new_err(msg),
+        RadixError::BadPriority { .. } | RadixError::BadRetention { .. } | RadixError::BadTime { .. } => {
+            InvalidArgumentError::new_err(msg)
+        }
         RadixError::Locked { .. } => CacheBusyError::new_err(msg),
         RadixError::Corrupt(_) => CacheCorruptError::new_err(msg),
         RadixError::GroupPage { source, .. } => alloc_err(source, msg),
@@ -131,6 +139,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("StaleNodeError", py.get_type::<StaleNodeError>())?;
     m.add("LockError", py.get_type::<LockError>())?;
+    m.add("PinBudgetError", py.get_type::<PinBudgetError>())?;
     m.add("CacheBusyError", py.get_type::<CacheBusyError>())?;
     m.add("CacheCorruptError", py.get_type::<CacheCorruptError>())?;
     m.add("BatchError", py.get_type::<BatchError>())?;

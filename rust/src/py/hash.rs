@@ -11,7 +11,7 @@ use crate::hash;
 
 /// A 64-bit unsigned argument (`seed`, `parent`): an int (or `__index__`) in `0 .. 2**64 - 1`,
 /// not a bool.
-fn u64_arg(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+pub(crate) fn u64_arg(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         let r = obj.repr()?;
         return Err(PyValueError::new_err(format!(

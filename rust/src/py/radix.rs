@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use numpy::PyArray1;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
 use super::array::{count, ints, page_array, Int};
@@ -18,11 +18,16 @@ use super::error::{to_py, InvalidArgumentError};
 use crate::alloc::{try_vec, AllocError, PageAllocator};
 use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
 
+#[path = "radix_events.rs"]
+mod events;
 #[path = "radix_groups.rs"]
 mod groups;
 use groups::Groups;
 #[path = "radix_tier.rs"]
 mod tier;
+#[path = "radix_retention.rs"]
+mod retention;
+use retention::Clock;
 
 /// An opaque handle to a cache node, from `match_prefix`; hashable, comparable.
 ///
@@ -141,12 +146,28 @@ pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static,
 /// state_slots : StateSlotAllocator, optional
 ///     Hybrid models with linear-attention layers: the state-slot pool. Matches then end only at
 ///     states saved by `insert(..., state_slot=...)`.
+/// max_pinned_tokens : int, default 0
+///     The pin budget in tokens: `pin` beyond it raises `PinBudgetError` (0: no pins).
+/// now : callable, optional
+///     The clock, returning seconds as a float (any origin), e.g. `time.monotonic` or a test's
+///     fake clock; called once per call that matches, inserts, evicts or allocates, before any
+///     lock is taken. Default: seconds since the cache was made, from Rust's monotonic
+///     `std::time::Instant`. A reading earlier than the latest is taken as the latest.
+/// kv_events : bool, default False
+///     Record KV events for KV-aware routers (vLLM's `enable_kv_cache_events`): each cached page
+///     keeps its chained hash (`kvpool.page_hashes`) and every change of the cached pages is
+///     recorded in the call that makes it, for `take_kv_events` (see `kvpool.events`).
+/// hash_seed : int, default 0
+///     Seed of the page hashes (0 .. 2**64 - 1), the same on every instance a router compares;
+///     only with `kv_events=True`.
 ///
 /// Raises
 /// ------
 /// InvalidArgumentError
 ///     A page size that differs from the allocator's, a window of 0, a sliding allocator of
-///     another page size, one allocator passed for two spaces.
+///     another page size, one allocator passed for two spaces, `hash_seed` without `kv_events`.
+/// ValueError
+///     `hash_seed` not an int in 0 .. 2**64 - 1.
 ///
 /// Notes
 /// -----
@@ -161,6 +182,16 @@ pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static,
 /// an `evict` freed. No Python code runs while a mutex is held, so a `__del__` or signal handler
 /// may call into kvpool at any time. A hybrid cache locks the cache, then the full allocator, the
 /// sliding ones in order and the state pool (the one lock order).
+///
+/// Retention: `insert(..., priority=p, retention_s=r)` gives the nodes it inserts or walks
+/// through priority `p` (0..100, higher is kept longer) until `r` seconds after their last hit
+/// (an insert or `match_prefix` through them renews it); then it decays to 0. A lower priority
+/// never lowers a node's current one; the same priority keeps the longer retention. Eviction
+/// takes unlocked, unpinned leaves lowest current priority first, least recently used within one
+/// priority, at O(log leaves) per node. `pin(node)` keeps a path across requests, counted apart
+/// from locks, within `max_pinned_tokens` (a token pinned through two nodes counts once);
+/// pinned tokens count in `protected_size`. `stats()` reports evictions per priority, pinned
+/// tokens and retention expiries.
 ///
 /// Examples
 /// --------
@@ -184,6 +215,8 @@ pub(crate) struct PyRadixCache {
     groups: Groups,
     /// The host tier's allocator (see `radix_tier.rs`).
     host: Option<tier::Host>,
+    /// Where the time comes from (see `radix_retention.rs`).
+    clock: Clock,
 }
 
 type MatchTuple<'py> = (Bound<'py, PyArray1<i32>>, PyRadixNode, usize);
@@ -220,8 +253,10 @@ impl PyRadixCache {
             return self.take_tiered(py, n, soft);
         }
         let long = n >= DETACH_MIN;
+        let t = self.time(py)?;
         let r = if self.groups.is_hybrid() {
             self.with_spaces(py, long, |c, a, o| {
+                c.set_now(t);
                 let pages = c.alloc_i32_with(a, o, n)?;
                 let mut gens = Vec::new();
                 a.grant(&pages, &mut gens);
@@ -229,6 +264,7 @@ impl PyRadixCache {
             })
         } else {
             self.with_both(py, long, |c, a| {
+                c.set_now(t);
                 let pages = c.alloc_i32(a, n)?;
                 let mut gens = Vec::new();
                 a.grant(&pages, &mut gens);
@@ -249,26 +285,34 @@ impl PyRadixCache {
 #[pymethods]
 impl PyRadixCache {
     #[new]
-    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, host_allocator=None))]
+    #[pyo3(signature = (allocator, page_size=None, *, sliding=None, state_slots=None, host_allocator=None, max_pinned_tokens=None, now=None, kv_events=false, hash_seed=None))]
     fn new(
         allocator: Bound<'_, PyPageAllocator>,
         page_size: Option<Int>,
         sliding: Option<Vec<(Bound<'_, PyPageAllocator>, Int)>>,
         state_slots: Option<Bound<'_, PyAny>>,
         host_allocator: Option<Bound<'_, PyPageAllocator>>,
+        max_pinned_tokens: Option<Int>,
+        now: Option<Bound<'_, PyAny>>,
+        kv_events: bool,
+        hash_seed: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = allocator.py();
         let alloc = allocator.get().inner.clone();
         let groups = Groups::from_py(&alloc, sliding, state_slots)?;
         let host = tier::Host::from_py(&alloc, host_allocator, groups.is_hybrid())?;
         let ps = page_size.map(|p| count("page_size", &p)).transpose()?;
-        let cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        let max_pinned = count("max_pinned_tokens", &max_pinned_tokens.unwrap_or(Int::ZERO))?;
+        let clock = Clock::from_py(now)?;
+        let mut cache = groups.build(py, &alloc, ps).map_err(to_py)?;
+        events::configure(&mut cache, kv_events, hash_seed.as_ref())?;
         let this = Self {
             alloc,
             allocator: allocator.unbind(),
-            cache: Mutex::new(cache),
+            cache: Mutex::new(cache.with_max_pinned_tokens(max_pinned)),
             groups,
             host,
+            clock,
         };
         this.enable_tier(py)?;
         Ok(this)
@@ -302,8 +346,10 @@ impl PyRadixCache {
         let ns = self::namespace(namespace)?;
         let arr = ints(tokens, "tokens")?;
         let view = arr.view("tokens")?;
+        let now = self.time(py)?;
         // (read in place, checked, the result made, all with the GIL released when long)
         let (pages, node, len) = with_lock(py, &self.cache, view.long(), |c| {
+            c.set_now(now);
             let n = view.len();
             let mut pages =
                 try_vec::<i32>(n / c.page_size(), || format!("the pages of {n} tokens"))?;
@@ -317,6 +363,11 @@ impl PyRadixCache {
     }
 
     /// Caches the whole pages of `tokens`; returns how many tokens were already cached.
+    ///
+    /// `priority` (int 0..100, default 0) and `retention_s` (seconds >= 0, default None: no
+    /// decay) are given to the nodes this call inserts or walks through (see the class notes).
+    /// Insert only committed tokens: a speculative step's rejected drafts never enter the tree
+    /// (see `rollback_slots`).
     ///
     /// `pages` has one id per page of `tokens` (`len(tokens) // page_size`, or one more for the
     /// partial last page, which is not cached). The cache takes a reference on the pages of the part
@@ -333,10 +384,13 @@ impl PyRadixCache {
     /// ------
     /// InvalidArgumentError
     ///     Mismatched lengths, a token beyond int32, a `sliding_pages` count or length that does
-    ///     not match the groups, a `state_slot` not at a page boundary or without a state pool.
+    ///     not match the groups, a `state_slot` not at a page boundary or without a state pool,
+    ///     a `priority` outside 0..100, a negative or NaN `retention_s`, a clock reading that is
+    ///     not finite.
     /// PageError
     ///     A bad page id, or a page of the new part that is free, repeated or already cached.
-    #[pyo3(signature = (tokens, pages, namespace=None, *, sliding_pages=None, state_slot=None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tokens, pages, namespace=None, *, sliding_pages=None, state_slot=None, priority=None, retention_s=None))]
     fn insert(
         &self,
         py: Python<'_>,
@@ -345,9 +399,13 @@ impl PyRadixCache {
         namespace: Option<&Bound<'_, PyAny>>,
         sliding_pages: Option<Vec<Bound<'_, PyAny>>>,
         state_slot: Option<Int>,
+        priority: Option<&Bound<'_, PyAny>>,
+        retention_s: Option<f64>,
     ) -> PyResult<usize> {
+        let retain = retention::retain(priority, retention_s)?;
         if self.groups.is_hybrid() || sliding_pages.is_some() || state_slot.is_some() {
-            return self.insert_groups(py, tokens, pages, namespace, sliding_pages, state_slot);
+            let args = (sliding_pages, state_slot, retain);
+            return self.insert_groups(py, tokens, pages, namespace, args);
         }
         let ns = self::namespace(namespace)?;
         let t = ints(tokens, "tokens")?;
@@ -376,6 +434,7 @@ impl PyRadixCache {
             .map(|a| a.view("pages"))
             .collect::<PyResult<Vec<_>>>()?;
         let long = toks.len() + parts.iter().map(|p| p.len()).sum::<usize>() >= DETACH_MIN;
+        let now = self.time(py)?;
         // (checked and copied with the GIL released when long: see `detach.rs`)
         let run = move |c: &mut RadixCache,
                         a: &mut PageAllocator,
@@ -387,9 +446,10 @@ impl PyRadixCache {
                 .map(|p| p.pages_stable())
                 .collect::<Result<Vec<_>, _>>()?;
             let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
+            c.set_now(now);
             match h {
-                Some(h) => c.insert_tiered(a, h, &ns, &toks, &parts),
-                None => c.insert_parts(a, &ns, &toks, &parts),
+                Some(h) => c.insert_tiered_retained(a, h, &ns, &toks, &parts, retain),
+                None => c.insert_parts_retained(a, &ns, &toks, &parts, retain),
             }
         };
         if self.has_tier() {
@@ -427,23 +487,74 @@ impl PyRadixCache {
         with_lock(py, &self.cache, false, |c| c.unlock(h)).map_err(to_py)
     }
 
-    /// Evicts least-recently-used unlocked leaves (then their parents) until `num_tokens` tokens
-    /// left the cache or nothing evictable is left; returns the tokens evicted (whole nodes, so
+    /// Keeps the node and its path to the root in the cache until `unpin(node)`, across requests
+    /// (counted apart from locks). The tokens it newly pins count against `max_pinned_tokens`.
+    ///
+    /// Raises
+    /// ------
+    /// PinBudgetError
+    ///     The pinned tokens would exceed `max_pinned_tokens`; nothing changed.
+    /// StaleNodeError
+    ///     The node is gone (evicted, reset, another cache's).
+    fn pin(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        self.pin_node(py, node, true)
+    }
+
+    /// Releases one `pin` of this very node.
+    ///
+    /// Raises
+    /// ------
+    /// LockError
+    ///     The node holds no pin of its own.
+    /// StaleNodeError
+    ///     The node is gone.
+    fn unpin(&self, py: Python<'_>, node: &PyRadixNode) -> PyResult<()> {
+        self.pin_node(py, node, false)
+    }
+
+    /// Retention and eviction counters in one dict (expired retentions decayed first).
+    ///
+    /// Returns
+    /// -------
+    /// dict
+    ///     `evicted_tokens`, `evicted_nodes` (since creation or `reset`);
+    ///     `evicted_tokens_by_priority` ({priority: tokens} at the priority each node had when
+    ///     evicted, nonzero only); `pinned_tokens`, `max_pinned_tokens`; `retention_expiries`
+    ///     (nodes whose priority decayed to 0); `retained_nodes` (nodes above priority 0 now);
+    ///     and `hit_tokens`, `miss_tokens`, `evictable_size`, `protected_size`, `total_size`
+    ///     as the properties.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        self.stats_dict(py)
+    }
+
+    /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
+    /// least recently used within one priority, until `num_tokens` tokens left the cache or
+    /// nothing evictable is left; returns the tokens evicted (whole nodes, so
     /// possibly more than asked). A hybrid cache releases every group's pages and state slots of
     /// the nodes it evicts.
     fn evict(&self, py: Python<'_>, num_tokens: Int) -> PyResult<usize> {
         let n = count("num_tokens", &num_tokens)?;
+        let t = self.time(py)?;
         if self.has_tier() {
-            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.evict_tiered(a, h, n);
+            let f = |c: &mut RadixCache, a: &mut _, h: &mut _| {
+                c.set_now(t);
+                c.evict_tiered(a, h, n)
+            };
             return self.with_tier(py, n >= DETACH_MIN, f).and_then(|r| r).map_err(to_py);
         }
         if self.groups.is_hybrid() {
             return self
-                .with_spaces(py, n >= DETACH_MIN, |c, a, o| c.evict_with(a, o, n))
+                .with_spaces(py, n >= DETACH_MIN, |c, a, o| {
+                    c.set_now(t);
+                    c.evict_with(a, o, n)
+                })
                 .map_err(to_py);
         }
-        self.with_both(py, n >= DETACH_MIN, |c, a| c.evict(a, n))
-            .map_err(to_py)
+        self.with_both(py, n >= DETACH_MIN, |c, a| {
+            c.set_now(t);
+            c.evict(a, n)
+        })
+        .map_err(to_py)
     }
 
     /// Allocates `n` pages, evicting LRU entries first when fewer are free.
@@ -469,7 +580,7 @@ impl PyRadixCache {
         self.take(py, &n, true)
     }
 
-    /// Empties the cache and zeroes the counters; every handle becomes stale.
+    /// Empties the cache and zeroes the counters (pins are dropped); every handle becomes stale.
     ///
     /// Raises
     /// ------
@@ -533,12 +644,12 @@ impl PyRadixCache {
     fn page_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.page_size())
     }
-    /// Cached tokens no lock protects.
+    /// Cached tokens no lock or pin protects.
     #[getter]
     fn evictable_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.evictable_size())
     }
-    /// Cached tokens on locked paths.
+    /// Cached tokens on locked or pinned paths.
     #[getter]
     fn protected_size(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.protected_size())
@@ -562,6 +673,72 @@ impl PyRadixCache {
     #[getter]
     fn num_nodes(&self, py: Python<'_>) -> usize {
         with_lock(py, &self.cache, false, |c| c.num_nodes())
+    }
+    /// Tokens on pinned paths (each counted once).
+    #[getter]
+    fn pinned_tokens(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.pinned_tokens())
+    }
+    /// The pin budget in tokens.
+    #[getter]
+    fn max_pinned_tokens(&self, py: Python<'_>) -> usize {
+        with_lock(py, &self.cache, false, |c| c.max_pinned_tokens())
+    }
+
+    // --- KV events (see `radix_events.rs`) ---
+
+    /// The KV events recorded since the last call, in order, as plain tuples (empty when the
+    /// cache was built without `kv_events=True`). Built after the cache's lock is released.
+    ///
+    /// Returns
+    /// -------
+    /// list of tuple
+    ///     ``("BlockStored", block_hashes, parent_block_hash, token_ids, block_size, medium,
+    ///     namespace)``: the uint64 hashes (list of int) of pages newly cached along one edge, the
+    ///     hash of the page before them (None for a namespace's first page), their token ids
+    ///     (``len(block_hashes) * block_size``), the page size, the medium (``"GPU"``, or
+    ///     ``"CPU"`` on the host tier), and the namespace's canonical bytes on a namespace's first
+    ///     page (None otherwise and for the default namespace); ``("BlockRemoved", block_hashes,
+    ///     medium)``: pages evicted (merged over one call); with a host tier a demotion is
+    ///     ``BlockRemoved`` (GPU) then ``BlockStored`` (CPU), `load_back` the reverse;
+    ///     ``("AllBlocksCleared",)``: `reset`. After more than 2**22 tokens of stored pages
+    ///     piled up untaken, the pending events are replaced by a snapshot (as
+    ///     `kv_events_snapshot`).
+    fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, false)
+    }
+
+    /// `take_kv_events` (or, with `snapshot`, `kv_events_snapshot`) as a `KvEventBatch` held in
+    /// Rust: O(1), no Python object per event; `batch.encode(event_format)` writes vLLM's wire
+    /// form with the GIL released (what `kvpool.events.EventPublisher` sends).
+    #[pyo3(signature = (*, snapshot=false))]
+    fn take_kv_events_batch(&self, py: Python<'_>, snapshot: bool) -> events::PyKvEventBatch {
+        self.events_batch(py, snapshot)
+    }
+
+    /// A full resync: ``("AllBlocksCleared",)`` followed by every cached page as ``BlockStored``
+    /// (one event per node, parents first), in the form of `take_kv_events`. Drops the pending
+    /// events, which the snapshot supersedes; empty when KV events are off.
+    fn kv_events_snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        self.events_take(py, true)
+    }
+
+    /// What KV events recorded since the cache was built: a dict of ``events``,
+    /// ``blocks_stored``, ``blocks_removed`` (pages) and ``overflows`` (pending buffers replaced
+    /// by a snapshot); zeros when KV events are off.
+    fn kv_event_counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.events_counts(py)
+    }
+
+    /// Whether the cache records KV events (`kv_events=True`).
+    #[getter]
+    fn kv_events(&self, py: Python<'_>) -> bool {
+        with_lock(py, &self.cache, false, |c| c.kv_events_enabled())
+    }
+    /// The seed of the page hashes, or None without KV events.
+    #[getter]
+    fn hash_seed(&self, py: Python<'_>) -> Option<u64> {
+        with_lock(py, &self.cache, false, |c| c.hash_seed())
     }
 
     // --- hybrid models (see `radix_groups.rs`) ---
@@ -755,7 +932,7 @@ impl PyRadixCache {
     /// `dropped_pages` (evicted with no host copy), `host_evicted_pages`, `loaded_pages`,
     /// `host_query_tokens`, `host_hit_tokens`, `host_size` (tokens on the host now).
     fn tier_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
-        self.stats(py)
+        self.tier_stats_dict(py)
     }
 
     /// The host tier's allocator, or None.
@@ -775,5 +952,6 @@ impl PyRadixCache {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRadixNode>()?;
+    m.add_class::<events::PyKvEventBatch>()?;
     m.add_class::<PyRadixCache>()
 }

@@ -18,7 +18,7 @@ use super::super::error::{to_py, InvalidArgumentError};
 use super::super::state::PyStateSlotAllocator;
 use super::{namespace, PyRadixCache, PyRadixNode};
 use crate::alloc::{AllocError, PageAllocator};
-use crate::radix::{Others, RadixCache, RadixError};
+use crate::radix::{Others, RadixCache, RadixError, Retain};
 
 /// The extra page spaces of a hybrid cache, as the binding holds them.
 pub(super) struct Groups {
@@ -216,8 +216,10 @@ impl PyRadixCache {
         let ns = namespace(ns)?;
         let arr = ints(tokens, "tokens")?;
         let view = arr.view("tokens")?;
+        let t = self.time(py)?;
         // (read in place and checked with the GIL released when long: see `detach.rs`)
         let m = with_lock(py, &self.cache, view.long(), |c| {
+            c.set_now(t);
             view.with_tokens(|t| c.match_prefix_groups(&ns, t))
         })
         .map_err(to_py)?;
@@ -242,8 +244,7 @@ impl PyRadixCache {
         tokens: &Bound<'_, PyAny>,
         pages: &Bound<'_, PyAny>,
         ns: Option<&Bound<'_, PyAny>>,
-        sliding_pages: Option<Vec<Bound<'_, PyAny>>>,
-        state_slot: Option<Int>,
+        (sliding_pages, state_slot, retain): (Option<Vec<Bound<'_, PyAny>>>, Option<Int>, Retain),
     ) -> PyResult<usize> {
         let ns = namespace(ns)?;
         let state = state_slot
@@ -287,6 +288,7 @@ impl PyRadixCache {
         let total = toks.len()
             + parts.iter().map(|p| p.len()).sum::<usize>()
             + sl.iter().map(|p| p.len()).sum::<usize>();
+        let t = self.time(py)?;
         // (checked and copied with the GIL released when long: see `detach.rs`)
         self.with_spaces(py, total >= DETACH_MIN, |c, a, o| {
             let toks = toks.tokens_stable()?;
@@ -294,7 +296,8 @@ impl PyRadixCache {
             let sl = copies(&sl)?;
             let parts: Vec<&[i32]> = parts.iter().map(|p| &p[..]).collect();
             let sl: Vec<&[i32]> = sl.iter().map(|p| &p[..]).collect();
-            c.insert_groups(a, o, &ns, &toks, &parts, &sl, state)
+            c.set_now(t);
+            c.insert_groups_retained(a, o, &ns, &toks, &parts, &sl, state, retain)
         })
         .map_err(to_py)
     }
@@ -307,7 +310,9 @@ impl PyRadixCache {
         n: &Int,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count("n", n)?;
+        let t = self.time(py)?;
         let r = self.with_spaces(py, n >= DETACH_MIN, |c, a, o| {
+            c.set_now(t);
             let pages = c.alloc_group_with(a, o, group, n)?;
             let mut gens = Vec::new();
             let space = match group {

@@ -94,8 +94,10 @@ impl PyRadixCache {
         n: usize,
         soft: bool,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let now = self.time(py)?;
         let r = self
             .with_tier(py, n >= DETACH_MIN, |c, a, h| {
+                c.set_now(now);
                 let pages = c.alloc_tiered(a, h, n)?;
                 let mut gens = Vec::new();
                 a.grant(&pages, &mut gens);
@@ -122,8 +124,10 @@ impl PyRadixCache {
         let arr = ints(tokens, "tokens")?;
         let view = arr.view("tokens")?;
         // (read in place and checked with the GIL released when long: see `detach.rs`)
+        let now = self.time(py)?;
         let m = self
             .with_tier(py, view.long(), |c, _, _| {
+                c.set_now(now);
                 view.with_tokens(|t| c.match_prefix_host(&ns, t))
             })
             .and_then(|r| r)
@@ -155,7 +159,7 @@ impl PyRadixCache {
         Ok((PyArray1::from_vec(py, dev), PyArray1::from_vec(py, host)))
     }
 
-    pub(super) fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    pub(super) fn tier_stats_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (s, size) = super::super::alloc::with_lock(py, &self.cache, false, |c| {
             (c.tier_stats(), c.host_size())
         });

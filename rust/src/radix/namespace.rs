@@ -27,6 +27,10 @@ impl Namespace {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
+    /// The namespace whose canonical bytes are `b` (bytes from [`as_bytes`](Self::as_bytes)).
+    pub(crate) fn from_bytes(b: &[u8]) -> Self {
+        Self(b.to_vec())
+    }
 }
 
 /// Writes a namespace value by value; a tuple announces its length, then its items follow.

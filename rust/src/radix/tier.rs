@@ -20,15 +20,23 @@
 //!   device tier) to device pages the caller filled, taking the tree's reference on them and
 //!   dropping the host pages. `insert` over host nodes does the same with the caller's pages
 //!   (a request that recomputed the prefix).
-//! - Host nodes are never locked (`lock` of one raises [`RadixError::OnHost`]); the host pages a
-//!   loader is still reading can be protected with the host allocator's `inc_ref`.
+//! - Host nodes are never locked or pinned (`lock` or `pin` of one raises
+//!   [`RadixError::OnHost`]); the host pages a loader is still reading can be protected with the
+//!   host allocator's `inc_ref`.
+//! - **KV events.** A demotion records `BlockRemoved` (GPU) and `BlockStored` (CPU) for the
+//!   node's pages, a load back the reverse, a dropped host node `BlockRemoved` (CPU) (see
+//!   `events`).
+//! - **Retention.** Demotion follows the eviction order (lowest priority, then least recently
+//!   used; pinned nodes are never demoted), and the host tier drops its own leaves in the same
+//!   (priority, last access) order; a host node keeps its priority and expiry.
 //!
 //! Every call validates its input before changing anything. Hybrid caches (sliding groups, state
 //! slots) take no host tier ([`RadixError::HostTierHybrid`]).
 
 use std::collections::BTreeSet;
 
-use super::{Goal, Handle, Namespace, Others, Plan, RadixCache, RadixError, NONE, SUPER};
+use super::{lru_key, EvictKey, Goal, Handle, Namespace, Others, Plan, RadixCache, RadixError};
+use super::{Medium, NONE, SUPER};
 use crate::alloc::{AllocError, PageAllocator, RawPage};
 
 /// Counters of the host tier, in pages and tokens since construction or `reset`.
@@ -54,7 +62,8 @@ pub struct TierStats {
 pub(super) struct Tier {
     host_id: u64,
     /// Host nodes without children, by (last access, slot): the host tier's eviction order.
-    lru: BTreeSet<(u64, u32)>,
+    /// Host leaves keyed as the device LRU is, by (priority, last access, slot).
+    lru: BTreeSet<EvictKey>,
     /// Tokens stored on the host tier.
     tokens: usize,
     /// Demotions not yet taken: (device page, host page).
@@ -189,7 +198,7 @@ impl RadixCache {
     pub(super) fn refresh_host(&mut self, id: u32) {
         let n = &self.nodes[id as usize];
         let want = n.live && n.host && n.children.is_empty();
-        let (was, key) = (n.in_host_lru, (n.last_access, id));
+        let (was, key) = (n.in_host_lru, lru_key(n, id));
         let Some(t) = self.tier.as_mut() else { return };
         if was {
             t.lru.remove(&key);
@@ -200,11 +209,22 @@ impl RadixCache {
         self.nodes[id as usize].in_host_lru = want;
     }
 
+    /// Re-keys host leaf `id` (in the host LRU) at `priority` (retention: a decay or a raise).
+    pub(super) fn rekey_host(&mut self, id: u32, priority: u8) {
+        let n = &self.nodes[id as usize];
+        let (old, last) = (lru_key(n, id), n.last_access);
+        if let Some(t) = self.tier.as_mut() {
+            t.lru.remove(&old);
+            t.lru.insert((priority, last, id));
+        }
+    }
+
     /// Moves host node `id` in the host LRU from access time `old` to `clock`.
     pub(super) fn touch_host(&mut self, id: u32, old: u64, clock: u64) {
         if let Some(t) = self.tier.as_mut() {
-            t.lru.remove(&(old, id));
-            t.lru.insert((clock, id));
+            let p = self.nodes[id as usize].ret.priority;
+            t.lru.remove(&(p, old, id));
+            t.lru.insert((p, clock, id));
         }
     }
 
@@ -215,7 +235,7 @@ impl RadixCache {
         if !n.host {
             return false;
         }
-        let (key, was, len, parent) = ((n.last_access, id), n.in_host_lru, n.key().len(), n.parent);
+        let (key, was, len, parent) = (lru_key(n, id), n.in_host_lru, n.key().len(), n.parent);
         if let Some(t) = self.tier.as_mut() {
             if was {
                 t.lru.remove(&key);
@@ -231,7 +251,7 @@ impl RadixCache {
     /// Returns false (having dropped what it could) when that is not reachable.
     fn make_host_room(&mut self, host: &mut PageAllocator, need: usize) -> bool {
         while host.num_free() < need {
-            let Some(&(_, id)) = self.tier.as_ref().and_then(|t| t.lru.first()) else {
+            let Some(&(_, _, id)) = self.tier.as_ref().and_then(|t| t.lru.first()) else {
                 return false;
             };
             self.drop_host_leaf(host, id);
@@ -290,7 +310,7 @@ impl RadixCache {
             && host.free(&hp).is_ok();
         debug_assert!(ok, "host pages could not be taken after making room");
         let n = &mut self.nodes[id as usize];
-        let (key_len, parent, was, key) = (n.key_len as usize, n.parent, n.in_lru, (n.last_access, id));
+        let (key_len, parent, was, key) = (n.key_len as usize, n.parent, n.in_lru, lru_key(n, id));
         let dev: Vec<i32> = n.data[key_len..].to_vec();
         n.data[key_len..].copy_from_slice(&hp);
         n.host = true;
@@ -308,6 +328,7 @@ impl RadixCache {
         self.node_mut(parent).host_kids += 1;
         self.refresh_host(id);
         self.refresh(parent);
+        self.events_moved(id, Medium::Gpu, Medium::Cpu);
     }
 
     fn apply_tiered(
@@ -433,7 +454,7 @@ impl RadixCache {
             at += np;
             n.host = false;
             n.host_kids = n.children.len() as u32;
-            let (was, key, parent) = (n.in_host_lru, (n.last_access, id), n.parent);
+            let (was, key, parent) = (n.in_host_lru, lru_key(n, id), n.parent);
             n.in_host_lru = false;
             if let Some(t) = self.tier.as_mut() {
                 if was {
@@ -452,6 +473,7 @@ impl RadixCache {
         }
         for &id in chain {
             self.refresh(id);
+            self.events_moved(id, Medium::Cpu, Medium::Gpu);
         }
         old
     }
@@ -576,3 +598,11 @@ mod check;
 #[cfg(test)]
 #[path = "tier_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "tier_retention_tests.rs"]
+mod retention_tests;
+
+#[cfg(test)]
+#[path = "tier_events_tests.rs"]
+mod events_tests;

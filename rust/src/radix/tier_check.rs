@@ -36,8 +36,12 @@ impl RadixCache {
             }
         }
         let host_id = self.tier.as_ref().map_or(0, |t| t.host_id);
+        let ret = self.ret.after_reset();
+        let events = self.events_reset();
         *self = Self::new(alloc, self.page_size)?;
         self.tier = Some(Tier::new(host_id));
+        self.ret = ret;
+        self.events = events;
         Ok(())
     }
 
@@ -77,7 +81,7 @@ impl RadixCache {
                 return bad(format!("host node {id}: locked, in the device LRU or with a device child"));
             }
             let want = n.children.is_empty();
-            if n.in_host_lru != want || (want && !t.lru.contains(&(n.last_access, id))) {
+            if n.in_host_lru != want || (want && !t.lru.contains(&super::lru_key(n, id))) {
                 return bad(format!("host node {id}: host LRU membership wrong"));
             }
             in_lru += usize::from(want);
