@@ -20,17 +20,17 @@ small pool on the CPU):
 The parent prints one line, `shared_prefix: matched=<tokens> from_store=<tokens>
 bytes_equal=<true|false>`, and exits 0 only when the bytes are equal. With `--events ENDPOINT`
 it also subscribes to vLLM-format KV events there and prints each as `event <type> <n_hashes>`
-(the publisher is kvpool.events; without that module the flag is noted on stderr and ignored).
+(both instances publish through kvpool.events, connecting to the parent's SUB socket).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +45,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--store", required=True, help="page store URL: redis://host:port/db, "
                    "rediss://..., redis+cluster://host:port")  # fmt: skip
-    p.add_argument("--events", default=None, help="ZMQ endpoint of KV events to print "
-                   "(tcp://127.0.0.1:PORT; needs kvpool.events)")  # fmt: skip
+    p.add_argument("--events", default=None, help="ZMQ endpoint where the parent "
+                   "binds a SUB socket and prints the instances' KV events (tcp://127.0.0.1:PORT)")  # fmt: skip
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="bundled model id or "
                    "config.json")  # fmt: skip
     p.add_argument("--dtype", default="fp8_e4m3", help="KV dtype of both pools")
@@ -70,7 +70,9 @@ def build(args, num_tokens: int):
     n = plan.spec.num_layers
     pool.set_kv_scales([0.05] * n, [0.04] * n, source="example")  # as a checkpoint would
     allocator = kvpool.PageAllocator(plan.num_pages, plan.page_size)
-    cache = kvpool.RadixCache(allocator)
+    # every instance hashes pages with the same seed: the keys of the store and of the events
+    cache = kvpool.RadixCache(allocator, kv_events=args.events is not None,
+                              hash_seed=SEED if args.events is not None else None)  # fmt: skip
     return pool, allocator, cache
 
 
@@ -84,22 +86,28 @@ def store_for(args, pool):
     return PageStore(pool, args.store, seed=SEED, socket_timeout=5.0, socket_connect_timeout=2.0)
 
 
-def start_events(args, cache) -> None:
-    """Publish the cache's KV events on ``args.events`` (kvpool.events, wired by the lead)."""
+def start_events(args, cache):
+    """A publisher of the cache's KV events on ``args.events`` (None without ``--events``).
+
+    vLLM's convention: the publisher connects to a host address where the subscriber (here the
+    parent process) binds.
+    """
     if args.events is None:
-        return
-    if importlib.util.find_spec("kvpool.events") is None:
-        print("shared_prefix: kvpool.events is not available; --events ignored", file=sys.stderr)
-        return
-    print("shared_prefix: kvpool.events found; its publisher is not wired into this example "
-          "yet", file=sys.stderr)  # fmt: skip
+        return None
+    import time
+
+    from kvpool.events import EventPublisher
+
+    pub = EventPublisher(args.events, cache=cache)
+    time.sleep(0.3)  # ZMQ's slow joiner: let the connection settle before the first batch
+    return pub
 
 
 def serve(args) -> int:
     import torch
 
     pool, _allocator, cache = build(args, num_tokens=256)
-    start_events(args, cache)
+    pub = start_events(args, cache)
     tokens = prompt(args)
     ps = pool.page_size
     pages = cache.alloc(-(-len(tokens) // ps))
@@ -111,6 +119,9 @@ def serve(args) -> int:
         v = torch.randn(len(loc), view.num_kv_heads, view.v_head_dim, generator=g).bfloat16()
         pool.write(layer, loc, k, v)
     cache.insert(tokens, pages)
+    if pub is not None:
+        pub.publish()  # the BlockStored of the prompt's pages
+        pub.close()
     store = store_for(args, pool)
     n = store.put_pages(tokens, pages)
     whole = pages[: len(tokens) // ps]
@@ -124,6 +135,7 @@ def match(args) -> int:
     import torch
 
     pool, allocator, cache = build(args, num_tokens=512)
+    pub = start_events(args, cache)
     taken = cache.alloc(5)  # another request's pages: the prompt gets other ids than in `serve`
     tokens = prompt(args)
     ps = pool.page_size
@@ -136,6 +148,9 @@ def match(args) -> int:
     allocator.free(pages)  # the cache keeps its own reference
     allocator.free(taken)
     cached, _node, matched = cache.match_prefix(tokens)
+    if pub is not None:
+        pub.publish()  # the pages loaded from the store, now cached here too
+        pub.close()
     written = torch.from_numpy(np.load(args.bytes_file))
     mine = store.layout.read(cached)
     equal = found.num_pages > 0 and tuple(mine.shape) == tuple(written.shape) and bool(
@@ -158,7 +173,7 @@ def subscribe(endpoint: str, out: list[str], stop: threading.Event) -> threading
 
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
+    sock.bind(endpoint)  # (the instances' publishers connect, as vLLM's do)
 
     def run():
         while not stop.is_set():
@@ -186,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     events: list[str] = []
     stop = threading.Event()
     listener = None
-    if args.events is not None and importlib.util.find_spec("kvpool.events") is not None:
+    if args.events is not None:
         listener = subscribe(args.events, events, stop)
     with tempfile.TemporaryDirectory() as tmp:
         common = [sys.executable, str(Path(__file__).resolve()), *(argv or sys.argv[1:]),
@@ -198,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         second = subprocess.run([*common, "--role", "match"], capture_output=True, text=True)
         sys.stderr.write(second.stderr)
     if listener is not None:
+        time.sleep(0.2)  # the last batch in flight
         stop.set()
         listener.join()
         for line in events:
