@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True, help="page store URL: redis://host:port/db, "
                    "rediss://..., redis+cluster://host:port")  # fmt: skip
     p.add_argument("--events", default=None, help="ZMQ endpoint where the parent "
-                   "binds a SUB socket and prints the instances' KV events (tcp://127.0.0.1:PORT)")  # fmt: skip
+                   "binds a SUB socket and prints the instances' KV events "
+                   "(tcp://127.0.0.1:PORT)")  # fmt: skip
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B", help="bundled model id or "
                    "config.json")  # fmt: skip
     p.add_argument("--dtype", default="fp8_e4m3", help="KV dtype of both pools")
