@@ -265,6 +265,7 @@ def test_bad_clock_readings():
         (dict(priority=-1), InvalidArgumentError, r"`priority` = -1 is outside"),
         (dict(priority=2**70), InvalidArgumentError, r"`priority` = 1180591620717411303424 is outside"),
         (dict(priority="high"), TypeError, r"`priority` must be an int 0..=100, got `'high'`"),
+        (dict(priority=True), TypeError, r"`priority` must be an int 0..=100, got the bool `True`"),
         (dict(priority=5, retention_s=-1.0), InvalidArgumentError, r"`retention_s` = -1: a retention is"),
         (dict(priority=5, retention_s=math.nan), InvalidArgumentError, r"`retention_s` = NaN"),
     ],

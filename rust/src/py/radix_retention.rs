@@ -64,6 +64,13 @@ pub(super) fn retain(
 ) -> PyResult<Retain> {
     let p = match priority.filter(|p| !p.is_none()) {
         None => 0,
+        // (a bool is an int in Python, but `priority=True` is a mistake, not priority 1)
+        Some(p) if p.is_instance_of::<pyo3::types::PyBool>() => {
+            return Err(PyTypeError::new_err(format!(
+                "`priority` must be an int 0..=100, got the bool `{}`",
+                p.repr().map(|s| s.to_string()).unwrap_or_default()
+            )))
+        }
         Some(p) => match p.extract::<i64>() {
             Ok(v) => v,
             Err(e) if e.is_instance_of::<PyOverflowError>(p.py()) => {
