@@ -85,6 +85,11 @@ def run(n_requests=6, steps=12, seed=0):
             acc.append(r.seq + 1 + m)  # KV written and kept: the last token and m drafts
         tree_pages = {p for _, pg in cache.leaf_paths() for p in pg.tolist()}
         free, new_lens = kvpool.rollback_slots(table, seq, lens(acc), PS, cached_lens=lens([r.cached for r in reqs]))
+        # Independent expectation: each row's entries ceil(acc / PS) .. ceil(seq / PS), batch order.
+        want = [int(p) for i, (q, s) in enumerate(zip(acc, seq.tolist(), strict=True))
+                for p in table[i, -(-q // PS) : -(-s // PS)]]
+        assert free.tolist() == want
+        assert new_lens.tolist() == acc
         assert not set(free.tolist()) & tree_pages, "rollback returned a page the tree holds"
         a.free(free)
         for r, n in zip(reqs, new_lens.tolist(), strict=True):
