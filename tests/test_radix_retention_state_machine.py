@@ -248,6 +248,8 @@ class RetentionMachine(CacheMachine):
         assert self.c.total_size == len(self.entries) * ps
         assert self.c.protected_size == held * ps
         assert self.c.pinned_tokens == pinned * ps <= self.BUDGET * ps
+        # (this replaces the base machine's invariant of the same name: keep its size identity)
+        assert self.c.evictable_size == (len(self.entries) - held) * ps
         assert (self.c.hit_tokens, self.c.miss_tokens) == (self.hit, self.miss)
         assert self.real_entries() == {k: e.page for k, e in self.entries.items()}
         self.c.check_invariants()
