@@ -55,6 +55,13 @@ def test_host_pool_is_sized_byte_exact_from_the_device_layout(dtype):
     assert plan.host.bytes_per_token == plan.bytes_per_token - ws
     pool = kvpool.KVPool(plan, device="cpu")
     assert HostPool(pool).nbytes == plan.host_bytes
+    # Hand-worked for the toy model (2 layers x K, V x 2 KV heads x head_dim 64) and 25 host
+    # pages of 4 tokens: bf16 2 bytes an element; fp8 1; nvfp4 half a byte + one e4m3 scale a 16.
+    by_hand = {"bf16": 2 * 2 * 2 * 64 * 2, "fp8_e4m3": 2 * 2 * 2 * 64,
+               "nvfp4": 2 * 2 * 2 * (64 // 2 + 64 // 16)}
+    if dtype in by_hand:
+        assert plan.host.bytes_per_token == by_hand[dtype]
+        assert plan.host_bytes == 25 * 4 * by_hand[dtype]
 
 
 def test_host_memory_gives_the_most_pages_that_fit():
