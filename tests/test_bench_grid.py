@@ -95,6 +95,7 @@ def test_quick_run_resumes_and_reports(tmp_path):
     r1 = [r for r in recs if r["model"] == "deepseek-r1-tp8"]
     assert len(r1) == 8 and all(r["measured_as"] == "deepseek-v3-tp8" for r in r1)
     mla = [r for r in recs if r["layer"] == "mla"]
+    assert len(mla) == 16  # the two deepseek models' records (else the next line is vacuous)
     assert all(r["kernel"] == "mla_triton" and r["tflops"] > 0 for r in mla)
     assert all(r["ratio"] == pytest.approx(r["baseline_ms"] / r["time_ms"]) for r in recs)
     assert {r["baseline"] for r in recs} == {"torch_mla_bf16", "sdpa_bf16"}
