@@ -33,6 +33,9 @@ def test_graph_engine_serves_the_same_tokens_as_the_eager_engine(pool_tokens):
     eager, want = _serve(serve.Engine, pool_tokens)
     graph, got = _serve(serve.GraphEngine, pool_tokens, use_graphs=False, max_seq_len=64)
     assert got == want
+    # not vacuous: request 4 was cancelled after 2 tokens, the other eight ran to their end
+    assert [st for st, _ in want] == ["finished"] * 4 + ["cancelled"] + ["finished"] * 4
+    assert len(want[4][1]) == 2 and all(len(out) >= 3 for st, out in want if st == "finished")
     assert graph.stats.generated == eager.stats.generated
     if pool_tokens == 48:  # the tight pool evicts and retracts in both
         assert graph.stats.evicted_pages > 0 and graph.stats.retracted > 0
