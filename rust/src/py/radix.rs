@@ -453,10 +453,7 @@ impl PyRadixCache {
             }
         };
         if self.has_tier() {
-            return self
-                .with_tier(py, long, |c, a, h| run(c, a, Some(h)))
-                .and_then(|r| r)
-                .map_err(to_py);
+            return self.tiered(py, long, |c, a, h| run(c, a, Some(h)));
         }
         self.with_both(py, long, |c, a| run(c, a, None))
             .map_err(to_py)
@@ -540,7 +537,7 @@ impl PyRadixCache {
                 c.set_now(t);
                 c.evict_tiered(a, h, n)
             };
-            return self.with_tier(py, n >= DETACH_MIN, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, n >= DETACH_MIN, f);
         }
         if self.groups.is_hybrid() {
             return self
@@ -589,7 +586,7 @@ impl PyRadixCache {
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         if self.has_tier() {
             let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.reset_tiered(a, h);
-            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, true, f);
         }
         if self.groups.is_hybrid() {
             return self
@@ -608,7 +605,7 @@ impl PyRadixCache {
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         if self.has_tier() {
             let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.check_invariants_tiered(a, h);
-            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, true, f);
         }
         if self.groups.is_hybrid() {
             return self
