@@ -45,6 +45,18 @@ impl PyRadixNode {
     }
 }
 
+/// `insert`'s `pages`: one array, or the items of a tuple / list of arrays standing for their
+/// concatenation.
+fn page_parts<'py>(pages: &Bound<'py, PyAny>) -> Vec<Bound<'py, PyAny>> {
+    if let Ok(tup) = pages.cast::<PyTuple>() {
+        tup.iter().collect()
+    } else if let Ok(list) = pages.cast::<PyList>() {
+        list.iter().collect()
+    } else {
+        vec![pages.clone()]
+    }
+}
+
 /// Radix prefix cache over token ids, at page granularity, sharing `allocator`.
 ///
 /// Both objects wrap one Rust allocator: requests allocate and free through either. The cache keeps
@@ -328,13 +340,7 @@ impl PyRadixCache {
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
         // loop holds: the matched pages, then the new ones), never built.
-        let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
-            tup.iter().collect()
-        } else if let Ok(list) = pages.cast::<PyList>() {
-            list.iter().collect()
-        } else {
-            vec![pages.clone()]
-        };
+        let items = page_parts(pages);
         let single = items.len() == 1 && pages.cast::<PyTuple>().is_err() && pages.cast::<PyList>().is_err();
         let arrays = items
             .iter()
