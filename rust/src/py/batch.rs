@@ -40,6 +40,21 @@ fn write1(
     f(s).map_err(to_py)
 }
 
+/// `f` on the entries of a page table from [`table`], borrowed read-only from numpy.
+fn read_table<R>(
+    t: &Bound<'_, PyArray2<i32>>,
+    f: impl FnOnce(&[i32]) -> PyResult<R>,
+) -> PyResult<R> {
+    let py = t.py();
+    let r = t
+        .try_readonly()
+        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = r
+        .as_slice()
+        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    f(tab)
+}
+
 /// `[B, max_pages]` int32 page table from per-request page arrays, padded with page 0.
 #[pyfunction]
 #[pyo3(signature = (pages, max_pages=None, *, out=None))]
@@ -164,23 +179,19 @@ fn extend_slots<'py>(
     // (before the output exists: a request the table cannot hold allocates nothing)
     batch::check_width(Some(&p), &s, width, ps).map_err(to_py)?;
     let out = out1(py, out, total)?;
-    let r = t
-        .try_readonly()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = r
-        .as_slice()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    // A long prefill releases the GIL: the lengths (checked above, O(batch)) are copied first,
-    // the table is only read, in place; the output is written in place. Neither may be written
-    // by another thread during the call.
-    let long = total >= DETACH_MIN;
-    let (p, s) = (detachable(p, long)?, detachable(s, long)?);
-    write1(&out, |o| {
-        if long {
-            py.detach(|| batch::extend_slots(&tab, width, &p, &s, ps, o))
-        } else {
-            batch::extend_slots(&tab, width, &p, &s, ps, o)
-        }
+    read_table(t, |tab| {
+        // A long prefill releases the GIL: the lengths (checked above, O(batch)) are copied
+        // first, the table is only read, in place; the output is written in place. Neither may
+        // be written by another thread during the call.
+        let long = total >= DETACH_MIN;
+        let (p, s) = (detachable(p, long)?, detachable(s, long)?);
+        write1(&out, |o| {
+            if long {
+                py.detach(|| batch::extend_slots(tab, width, &p, &s, ps, o))
+            } else {
+                batch::extend_slots(tab, width, &p, &s, ps, o)
+            }
+        })
     })?;
     Ok(out)
 }
@@ -200,13 +211,9 @@ fn decode_slots<'py>(
     let s = s.lens("seq_lens")?;
     let ps = count("page_size", &page_size)?;
     let out = out1(py, out, rows)?;
-    let r = t
-        .try_readonly()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = r
-        .as_slice()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    write1(&out, |o| batch::decode_slots(tab, width, &s, ps, o))?;
+    read_table(t, |tab| {
+        write1(&out, |o| batch::decode_slots(tab, width, &s, ps, o))
+    })?;
     Ok(out)
 }
 
@@ -287,14 +294,9 @@ fn rollback_slots<'py>(
     let c = cached_lens.map(|c| ints(c, "cached_lens")).transpose()?;
     let c = c.as_ref().map(|c| c.lens("cached_lens")).transpose()?;
     let ps = count("page_size", &page_size)?;
-    let r = t
-        .try_readonly()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = r
-        .as_slice()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    let (free, lens) =
-        batch::rollback_slots(tab, width, &s, &a, ps, c.as_deref()).map_err(to_py)?;
+    let (free, lens) = read_table(t, |tab| {
+        batch::rollback_slots(tab, width, &s, &a, ps, c.as_deref()).map_err(to_py)
+    })?;
     Ok((PyArray1::from_vec(py, free), PyArray1::from_vec(py, lens)))
 }
 

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use super::array::{count, ints, Int};
 use super::error::to_py;
-use super::radix::namespace as to_namespace;
+use super::namespace::namespace as to_namespace;
 use crate::hash;
 
 /// A 64-bit unsigned argument (`seed`, `parent`): an int (or `__index__`) in `0 .. 2**64 - 1`,

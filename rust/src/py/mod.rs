@@ -8,6 +8,7 @@ mod batch;
 mod detach;
 mod error;
 mod hash;
+mod namespace;
 mod radix;
 mod sizing;
 mod state;

@@ -1,22 +1,22 @@
-//! Bindings of `radix`: `RadixCache` and its node handles, namespaces from Python values.
+//! Bindings of `radix`: `RadixCache` and its node handles (namespaces from Python values:
+//! `namespace.rs`).
 //!
 //! Sharing: `RadixCache(allocator)` keeps a clone of the allocator's `Arc<Mutex<PageAllocator>>`,
 //! so both Python objects see one allocator (requests allocate and free through either). The tree
 //! has its own mutex; calls that touch both lock the cache first, then the allocator.
 
-use std::borrow::Cow;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use numpy::PyArray1;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::alloc::{guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN};
 use super::array::{count, ints, page_array, Int};
 use super::error::{to_py, InvalidArgumentError};
+use super::namespace::namespace;
 use crate::alloc::{try_vec, AllocError, PageAllocator};
-use crate::radix::{Handle, Namespace, NamespaceBuilder, RadixCache, RadixError};
+use crate::radix::{Handle, RadixCache, RadixError};
 
 #[path = "radix_events.rs"]
 mod events;
@@ -45,86 +45,15 @@ impl PyRadixNode {
     }
 }
 
-const MAX_DEPTH: usize = 16;
-
-fn encode(b: &mut NamespaceBuilder, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<()> {
-    if depth > MAX_DEPTH {
-        return Err(InvalidArgumentError::new_err(format!(
-            "`namespace` nests tuples deeper than {MAX_DEPTH}"
-        )));
-    }
-    if obj.is_none() {
-        b.none();
-    } else if let Ok(t) = obj.cast::<PyTuple>() {
-        b.tuple(t.len());
-        for item in t.iter() {
-            encode(b, &item, depth + 1)?;
-        }
-    } else if let Ok(s) = obj.cast::<PyString>() {
-        // (a lone surrogate has no UTF-8 form: name the argument, not the codec)
-        let text = s.to_cow().map_err(|e| {
-            InvalidArgumentError::new_err(format!(
-                "`namespace` strings must encode as UTF-8 (lone surrogates do not): {e}"
-            ))
-        })?;
-        b.str(&text);
-    } else if let Ok(by) = obj.cast::<PyBytes>() {
-        b.bytes(by.as_bytes());
-    } else if let Ok(i) = obj.cast::<PyInt>() {
-        int(b, i)?;
-    } else if let Some(i) = index(obj)? {
-        int(b, &i)?; // numpy integers
+/// `insert`'s `pages`: one array, or the items of a tuple / list of arrays standing for their
+/// concatenation.
+fn page_parts<'py>(pages: &Bound<'py, PyAny>) -> Vec<Bound<'py, PyAny>> {
+    if let Ok(tup) = pages.cast::<PyTuple>() {
+        tup.iter().collect()
+    } else if let Ok(list) = pages.cast::<PyList>() {
+        list.iter().collect()
     } else {
-        let ty = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_default();
-        return Err(InvalidArgumentError::new_err(format!(
-            "`namespace` items must be None, int, str, bytes or tuples of those; got `{ty}`"
-        )));
-    }
-    Ok(())
-}
-
-/// `obj.__index__()` (numpy integers), `None` for an object that is no integer (no `__index__`,
-/// or one raising TypeError); any other exception of `__index__` (KeyboardInterrupt included)
-/// propagates.
-fn index<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
-    let py = obj.py();
-    let Ok(f) = obj.get_type().getattr("__index__") else {
-        return Ok(None);
-    };
-    match f.call1((obj,)) {
-        Ok(v) => Ok(v.cast_into::<PyInt>().ok()),
-        Err(e) if e.is_instance_of::<PyTypeError>(py) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-fn int(b: &mut NamespaceBuilder, i: &Bound<'_, PyInt>) -> PyResult<()> {
-    if let Ok(v) = i.extract::<i64>() {
-        b.int(v);
-    } else {
-        let bits: usize = i.call_method0("bit_length")?.extract()?;
-        let kw = [("signed", true)].into_py_dict(i.py())?;
-        let bytes = i.call_method("to_bytes", (bits / 8 + 1, "little"), Some(&kw))?;
-        b.int_le(bytes.cast::<PyBytes>()?.as_bytes());
-    }
-    Ok(())
-}
-
-/// Python value -> namespace key: None, int, str, bytes, or (nested) tuples, tag-encoded.
-/// The default namespace is built once (no allocation per call).
-pub(crate) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Cow<'static, Namespace>> {
-    static NONE: OnceLock<Namespace> = OnceLock::new();
-    match obj {
-        Some(o) if !o.is_none() => {
-            let mut b = Namespace::builder();
-            encode(&mut b, o, 0)?;
-            Ok(Cow::Owned(b.finish()))
-        }
-        _ => Ok(Cow::Borrowed(NONE.get_or_init(Namespace::none))),
+        vec![pages.clone()]
     }
 }
 
@@ -411,13 +340,7 @@ impl PyRadixCache {
         let t = ints(tokens, "tokens")?;
         // One array, or a tuple / list of arrays standing for their concatenation (what a serving
         // loop holds: the matched pages, then the new ones), never built.
-        let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
-            tup.iter().collect()
-        } else if let Ok(list) = pages.cast::<PyList>() {
-            list.iter().collect()
-        } else {
-            vec![pages.clone()]
-        };
+        let items = page_parts(pages);
         let single = items.len() == 1 && pages.cast::<PyTuple>().is_err() && pages.cast::<PyList>().is_err();
         let arrays = items
             .iter()
@@ -453,10 +376,7 @@ impl PyRadixCache {
             }
         };
         if self.has_tier() {
-            return self
-                .with_tier(py, long, |c, a, h| run(c, a, Some(h)))
-                .and_then(|r| r)
-                .map_err(to_py);
+            return self.tiered(py, long, |c, a, h| run(c, a, Some(h)));
         }
         self.with_both(py, long, |c, a| run(c, a, None))
             .map_err(to_py)
@@ -540,7 +460,7 @@ impl PyRadixCache {
                 c.set_now(t);
                 c.evict_tiered(a, h, n)
             };
-            return self.with_tier(py, n >= DETACH_MIN, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, n >= DETACH_MIN, f);
         }
         if self.groups.is_hybrid() {
             return self
@@ -589,7 +509,7 @@ impl PyRadixCache {
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
         if self.has_tier() {
             let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.reset_tiered(a, h);
-            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, true, f);
         }
         if self.groups.is_hybrid() {
             return self
@@ -608,7 +528,7 @@ impl PyRadixCache {
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         if self.has_tier() {
             let f = |c: &mut RadixCache, a: &mut _, h: &mut _| c.check_invariants_tiered(a, h);
-            return self.with_tier(py, true, f).and_then(|r| r).map_err(to_py);
+            return self.tiered(py, true, f);
         }
         if self.groups.is_hybrid() {
             return self

@@ -62,21 +62,27 @@ fn event<'py>(py: Python<'py>, e: KvEvent) -> PyResult<Bound<'py, PyTuple>> {
 }
 
 impl PyRadixCache {
+    /// The pending events (`snapshot` false) or a snapshot (true), as Rust data, taken under the
+    /// cache's lock (a snapshot walks the whole tree: the GIL is released for it).
+    fn take_events(&self, py: Python<'_>, snapshot: bool) -> Vec<KvEvent> {
+        with_lock(py, &self.cache, snapshot, |c| {
+            if snapshot {
+                c.kv_events_snapshot()
+            } else {
+                c.take_kv_events()
+            }
+        })
+    }
+
     /// `take_kv_events` (`snapshot` false) / `kv_events_snapshot` (true).
     pub(super) fn events_take<'py>(
         &self,
         py: Python<'py>,
         snapshot: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        // (a snapshot walks the whole tree: the GIL is released for it)
-        let evs = with_lock(py, &self.cache, snapshot, |c| {
-            if snapshot {
-                c.kv_events_snapshot()
-            } else {
-                c.take_kv_events()
-            }
-        });
-        let items = evs
+        // (the tuples are built after the lock is released)
+        let items = self
+            .take_events(py, snapshot)
             .into_iter()
             .map(|e| event(py, e))
             .collect::<PyResult<Vec<_>>>()?;
@@ -85,14 +91,7 @@ impl PyRadixCache {
 
     /// `take_kv_events_batch`: the events (or a snapshot) as an opaque batch, taken in O(1).
     pub(super) fn events_batch(&self, py: Python<'_>, snapshot: bool) -> PyKvEventBatch {
-        let events = with_lock(py, &self.cache, snapshot, |c| {
-            if snapshot {
-                c.kv_events_snapshot()
-            } else {
-                c.take_kv_events()
-            }
-        });
-        PyKvEventBatch::new(events)
+        PyKvEventBatch::new(self.take_events(py, snapshot))
     }
 
     /// `kv_event_counts` as a dict.

@@ -7,7 +7,6 @@ use std::sync::MutexGuard;
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
 
 use super::super::alloc::{
     guard, hand_out, try_guard, with_lock, PyPageAllocator, Shared, DETACH_MIN,
@@ -16,7 +15,7 @@ use super::super::array::{count, ints, Int};
 use super::super::detach::View;
 use super::super::error::{to_py, InvalidArgumentError};
 use super::super::state::PyStateSlotAllocator;
-use super::{namespace, PyRadixCache, PyRadixNode};
+use super::{namespace, page_parts, PyRadixCache, PyRadixNode};
 use crate::alloc::{AllocError, PageAllocator};
 use crate::radix::{Others, RadixCache, RadixError, Retain};
 
@@ -258,13 +257,7 @@ impl PyRadixCache {
             })
         })?;
         let t = ints(tokens, "tokens")?;
-        let items: Vec<Bound<'_, PyAny>> = if let Ok(tup) = pages.cast::<PyTuple>() {
-            tup.iter().collect()
-        } else if let Ok(list) = pages.cast::<PyList>() {
-            list.iter().collect()
-        } else {
-            vec![pages.clone()]
-        };
+        let items = page_parts(pages);
         let arrays = items
             .iter()
             .map(|a| ints(a, "pages"))

@@ -74,6 +74,17 @@ impl PyRadixCache {
         Ok(py.detach(|| f(&mut guard(&self.cache), &mut guard(&self.alloc), &mut guard(host))))
     }
 
+    /// [`Self::with_tier`] for a fallible `f`: its error, or the missing tier, as a Python error.
+    pub(super) fn tiered<R: Send>(
+        &self,
+        py: Python<'_>,
+        long: bool,
+        f: impl FnOnce(&mut RadixCache, &mut PageAllocator, &mut PageAllocator) -> Result<R, RadixError>
+            + Send,
+    ) -> PyResult<R> {
+        self.with_tier(py, long, f).and_then(|r| r).map_err(to_py)
+    }
+
     pub(super) fn has_tier(&self) -> bool {
         self.host.is_some()
     }
@@ -83,9 +94,7 @@ impl PyRadixCache {
         if self.host.is_none() {
             return Ok(());
         }
-        self.with_tier(py, false, |c, a, h| c.enable_host_tier(a, h))
-            .and_then(|r| r)
-            .map_err(to_py)
+        self.tiered(py, false, |c, a, h| c.enable_host_tier(a, h))
     }
 
     pub(super) fn take_tiered<'py>(
@@ -125,13 +134,10 @@ impl PyRadixCache {
         let view = arr.view("tokens")?;
         // (read in place and checked with the GIL released when long: see `detach.rs`)
         let now = self.time(py)?;
-        let m = self
-            .with_tier(py, view.long(), |c, _, _| {
-                c.set_now(now);
-                view.with_tokens(|t| c.match_prefix_host(&ns, t))
-            })
-            .and_then(|r| r)
-            .map_err(to_py)?;
+        let m = self.tiered(py, view.long(), |c, _, _| {
+            c.set_now(now);
+            view.with_tokens(|t| c.match_prefix_host(&ns, t))
+        })?;
         Ok((PyArray1::from_vec(py, m.pages), PyRadixNode(m.node), m.len))
     }
 
@@ -146,9 +152,7 @@ impl PyRadixCache {
         let long = pages.len() >= DETACH_MIN;
         let pages = detachable(pages, long)?;
         let h = node.0;
-        self.with_tier(py, long, |c, a, host| c.load_back(a, host, h, &pages))
-            .and_then(|r| r)
-            .map_err(to_py)
+        self.tiered(py, long, |c, a, host| c.load_back(a, host, h, &pages))
     }
 
     pub(super) fn demotions<'py>(&self, py: Python<'py>) -> PyResult<Demotions<'py>> {
