@@ -497,6 +497,8 @@ class EventPublisher:
                 log.warning("kvpool.events: bad replay request (%d frames) ignored", len(frames))
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
+            # (counted before the END frame goes out: a client that reads stats() after END sees it)
+            self.counts["replays_served"] += 1
             try:
                 for seq, payload in list(self._buffer):
                     if seq >= start:
@@ -505,4 +507,3 @@ class EventPublisher:
                 sock.send_multipart((ident, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
             except zmq.ZMQError as e:  # EAGAIN: too slow; EHOSTUNREACH: gone
                 log.warning("kvpool.events: replay cut short (%s)", e)
-            self.counts["replays_served"] += 1
