@@ -61,10 +61,10 @@ by its loads (0.245 ms, loads alone as long); TMA boxes fetch the same token-maj
 0.171-0.177 ms, and the ~430 SASS instructions per 16-token tile (decode ~250 of them) now
 bound the kernel.
 
-Masking as in ``decode.py`` (KVB-16, docs/architecture.md): rows past ``seq_len`` are never scored (p = 0);
-their scale rows are never read. A TMA box fetches its tile's 16 data rows whole, so data rows
-past ``seq_len`` (or before a window) in the tile's page are read: E2M1 codes are all finite,
-so p = 0 keeps them out of the output whatever they hold.
+Masking as in ``decode.py`` (KVB-16, docs/architecture.md): rows past ``seq_len`` are never
+scored (p = 0); their scale rows are never read. A TMA box fetches its tile's 16 data rows
+whole, so data rows past ``seq_len`` (or before a window) in the tile's page are read: E2M1
+codes are all finite, so p = 0 keeps them out of the output whatever they hold.
 """
 
 import triton  # noqa: F401  (Gluon needs Triton's runtime)
