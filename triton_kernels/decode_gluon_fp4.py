@@ -138,11 +138,6 @@ def _exp2(x):
 
 
 @gluon.jit
-def _tree2(a, b):
-    return gl.join(a, b)
-
-
-@gluon.jit
 def _tree4(a0, a1, a2, a3):
     """``[..., 2, 2]`` holding ``a[2i + j]`` at ``[..., i, j]`` (``join`` adds the last axis)."""
     return gl.join(gl.join(a0, a2), gl.join(a1, a3))
