@@ -213,33 +213,38 @@ class DecodeGraph:
     def _fill(self, s: DecodeStatic, n: int, page_table, seq_lens, slots, inputs) -> None:
         """Copy a batch of ``n`` requests into ``s`` (rows past ``n``: padding), without a sync."""
         w = page_table.shape[1]
-        host = {
-            "page_table": (s.page_table, np.zeros((s.batch, w), np.int32), page_table),
-            "seq_lens": (s.seq_lens, np.ones(s.batch, np.int32), seq_lens),
-            "slots": (s.slots, np.zeros(s.batch, np.int32), slots),
+        batch = {  # static buffer, its padding rows (page 0, length 1, slot 0), host shape
+            "page_table": (s.page_table, page_table, 0, (s.batch, w)),
+            "seq_lens": (s.seq_lens, seq_lens, 1, (s.batch,)),
+            "slots": (s.slots, slots, 0, (s.batch,)),
         }
-        for name, (dst, pad, src) in host.items():
+        for name, (dst, src, pad_value, shape) in batch.items():
             if isinstance(src, torch.Tensor):  # already on the device: no host round trip
                 dst[:n].copy_(src, non_blocking=True)
-                dst[n:].copy_(torch.from_numpy(pad[n:]).to(self.device, non_blocking=True))
+                dst[n:].fill_(pad_value)
                 continue
             src = np.asarray(src)
             if src.dtype != np.int32:
                 raise ValueError(f"`{name}` is {src.dtype}, expected int32")
-            pad[:n] = src
-            self._to_device(dst, pad)
+            host = np.full(shape, pad_value, np.int32)
+            host[:n] = src
+            self._to_device(dst, host)
         for name, t in s.inputs.items():
             x = inputs[name]
-            if not isinstance(x, torch.Tensor):
-                x = torch.from_numpy(np.ascontiguousarray(x))
-            t[:n].copy_(x, non_blocking=True)
+            if isinstance(x, torch.Tensor):
+                t[:n].copy_(x, non_blocking=True)
+            else:  # (through pinned memory: a copy from pageable memory would block the host)
+                t[:n].copy_(self._pinned(np.ascontiguousarray(x)), non_blocking=True)
             t[n:].zero_()
 
-    def _to_device(self, dst: torch.Tensor, host: np.ndarray) -> None:
+    def _pinned(self, host: np.ndarray) -> torch.Tensor:
         src = torch.from_numpy(host)
         if self.device.type == "cuda":
             src = src.pin_memory()  # (the caching host allocator keeps it until the copy ran)
-        dst.copy_(src, non_blocking=True)
+        return src
+
+    def _to_device(self, dst: torch.Tensor, host: np.ndarray) -> None:
+        dst.copy_(self._pinned(host), non_blocking=True)
 
     def _check(self, page_table, seq_lens, slots, inputs) -> int:
         """The batch size, after checking shapes (ValueError naming the bad argument)."""
