@@ -1161,6 +1161,23 @@ impl RadixCache {
         Ok(out)
     }
 
+    /// `reset` refuses a cache any lock is held on.
+    fn check_unlocked(&self) -> Result<(), RadixError> {
+        let locks: u64 = self
+            .nodes
+            .iter()
+            .filter(|n| n.live)
+            .map(|n| u64::from(n.own_locks))
+            .sum();
+        if locks > 0 {
+            return Err(RadixError::Locked {
+                protected: self.protected,
+                locks,
+            });
+        }
+        Ok(())
+    }
+
     /// Empties the cache (dropping the tree's page references) and zeroes the counters. Every
     /// handle becomes stale.
     ///
@@ -1181,18 +1198,7 @@ impl RadixCache {
     ) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         self.check_others(others)?;
-        let locks: u64 = self
-            .nodes
-            .iter()
-            .filter(|n| n.live)
-            .map(|n| u64::from(n.own_locks))
-            .sum();
-        if locks > 0 {
-            return Err(RadixError::Locked {
-                protected: self.protected,
-                locks,
-            });
-        }
+        self.check_unlocked()?;
         for id in 0..self.nodes.len() as u32 {
             let n = self.node(id);
             alloc.release_cached_all(n.pages());
