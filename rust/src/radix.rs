@@ -396,6 +396,13 @@ struct Plan {
     freed_pages: usize,
 }
 
+/// Where the nodes a plan evicts go: dropped (with their pages in the extra spaces `others`),
+/// or demoted to the host tier (see `tier`).
+enum Sink<'a, 'o> {
+    Drop(&'a mut Others<'o>),
+    Demote(&'a mut PageAllocator),
+}
+
 /// The radix prefix cache. Works on a [`PageAllocator`] passed to each call that touches pages
 /// (the allocator never calls into the cache); the cache checks it is always the same allocator.
 #[derive(Debug)]
@@ -1047,19 +1054,73 @@ impl RadixCache {
         }
     }
 
-    /// Evicts the plan's nodes; the pages they free go to `out` (allocated) up to `want`
-    /// entries, the rest to the free list.
+    /// Evicts the plan's nodes into `sink`; the pages they free go to `out` (allocated) up to
+    /// `want` entries, the rest to the free list.
     fn apply(
         &mut self,
         alloc: &mut PageAllocator,
-        others: &mut Others<'_>,
+        sink: &mut Sink<'_, '_>,
         plan: &Plan,
         out: &mut Vec<i32>,
         want: usize,
     ) {
         for &id in &plan.order {
-            self.remove_leaf(alloc, others, id, out, want);
+            match sink {
+                Sink::Drop(others) => self.remove_leaf(alloc, others, id, out, want),
+                Sink::Demote(host) => self.demote(alloc, host, id, out, want),
+            }
         }
+    }
+
+    /// [`plan`](Self::plan) for eviction into `sink` (the extra spaces of a `Sink::Drop`).
+    fn plan_for(&mut self, alloc: &PageAllocator, sink: &Sink<'_, '_>, goal: &Goal) -> Plan {
+        match sink {
+            Sink::Drop(others) => self.plan(alloc, others, goal),
+            Sink::Demote(_) => self.plan(alloc, &Others::default(), goal),
+        }
+    }
+
+    /// Evicts into `sink` until at least `num_tokens` tokens left the device tier: the body of
+    /// `evict_with` and `evict_tiered`, their allocators checked. Returns the tokens evicted.
+    fn evict_tokens(
+        &mut self,
+        alloc: &mut PageAllocator,
+        sink: &mut Sink<'_, '_>,
+        num_tokens: usize,
+    ) -> usize {
+        let plan = self.plan_for(alloc, sink, &Goal::Tokens(num_tokens));
+        self.apply(alloc, sink, &plan, &mut Vec::new(), 0);
+        plan.tokens
+    }
+
+    /// Allocates `n` pages, first evicting into `sink` until enough are free (all or nothing):
+    /// the body of `alloc_i32_with` and `alloc_tiered`, their allocators checked.
+    fn alloc_evicting(
+        &mut self,
+        alloc: &mut PageAllocator,
+        sink: &mut Sink<'_, '_>,
+        n: usize,
+    ) -> Result<Vec<i32>, RadixError> {
+        let free = alloc.num_free();
+        // (capped: `n` is the caller's, and more than the pool holds fails below)
+        let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
+        if n > free {
+            // Evict until enough pages are free; nothing changes when even evicting all would
+            // not do. The pages eviction frees are handed out directly (then the free list's).
+            let plan = self.plan_for(alloc, sink, &Goal::FreePages(n - free));
+            if plan.freed_pages < n - free {
+                return Err(AllocError::OutOfPages {
+                    requested: n,
+                    free,
+                    evictable: plan.freed_pages,
+                }
+                .into());
+            }
+            self.apply(alloc, sink, &plan, &mut out, n);
+        }
+        let rest = n - out.len();
+        alloc.alloc_into(&mut out, rest)?;
+        Ok(out)
     }
 
     /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
@@ -1092,9 +1153,7 @@ impl RadixCache {
     ) -> Result<usize, RadixError> {
         self.check_alloc(alloc)?;
         self.check_others(others)?;
-        let plan = self.plan(alloc, others, &Goal::Tokens(num_tokens));
-        self.apply(alloc, others, &plan, &mut Vec::new(), 0);
-        Ok(plan.tokens)
+        Ok(self.evict_tokens(alloc, &mut Sink::Drop(others), num_tokens))
     }
 
     /// Allocates `n` pages, first evicting LRU entries until enough pages are free.
@@ -1139,26 +1198,7 @@ impl RadixCache {
     ) -> Result<Vec<i32>, RadixError> {
         self.check_alloc(alloc)?;
         self.check_others(others)?;
-        let free = alloc.num_free();
-        // (capped: `n` is the caller's, and more than the pool holds fails below)
-        let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
-        if n > free {
-            // Evict until enough pages are free; nothing changes when even evicting all would
-            // not do. The pages eviction frees are handed out directly (then the free list's).
-            let plan = self.plan(alloc, others, &Goal::FreePages(n - free));
-            if plan.freed_pages < n - free {
-                return Err(AllocError::OutOfPages {
-                    requested: n,
-                    free,
-                    evictable: plan.freed_pages,
-                }
-                .into());
-            }
-            self.apply(alloc, others, &plan, &mut out, n);
-        }
-        let rest = n - out.len();
-        alloc.alloc_into(&mut out, rest)?;
-        Ok(out)
+        self.alloc_evicting(alloc, &mut Sink::Drop(others), n)
     }
 
     /// `reset` refuses a cache any lock is held on.
