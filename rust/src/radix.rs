@@ -642,9 +642,11 @@ impl RadixCache {
         }
         if n.in_lru {
             self.lru.remove(&lru_key(n, id));
-            self.lru.insert((n.ret.priority, clock, id));
         }
         let old = std::mem::replace(&mut n.last_access, clock);
+        if n.in_lru {
+            self.lru.insert(lru_key(n, id));
+        }
         if n.in_host_lru {
             self.touch_host(id, old, clock);
         }
