@@ -85,7 +85,8 @@ pub enum BatchError {
         index: usize,
         position: i64,
         page: i32,
-    },    #[error("`accepted_lens[{index}]` = {accepted} exceeds `seq_lens[{index}]` = {seq}: a rollback keeps at most the tokens written")]
+    },
+    #[error("`accepted_lens[{index}]` = {accepted} exceeds `seq_lens[{index}]` = {seq}: a rollback keeps at most the tokens written")]
     AcceptedBeyondSeq { index: usize, accepted: i64, seq: i64 },
     #[error("`accepted_lens[{index}]` = {accepted} is below `cached_lens[{index}]` = {cached}: the tree may hold those tokens' pages, a rollback never reaches into them")]
     BelowCached { index: usize, accepted: i64, cached: i64 },

@@ -30,12 +30,13 @@
 //! ```
 
 use std::borrow::Cow;
-use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 use crate::alloc::{next_id, AllocError, PageAllocator, PageId, RawPage};
 
+mod check;
 mod events;
+mod evict;
 mod groups;
 mod namespace;
 mod tier;
@@ -396,6 +397,13 @@ struct Plan {
     freed_pages: usize,
 }
 
+/// Where the nodes a plan evicts go: dropped (with their pages in the extra spaces `others`),
+/// or demoted to the host tier (see `tier`).
+enum Sink<'a, 'o> {
+    Drop(&'a mut Others<'o>),
+    Demote(&'a mut PageAllocator),
+}
+
 /// The radix prefix cache. Works on a [`PageAllocator`] passed to each call that touches pages
 /// (the allocator never calls into the cache); the cache checks it is always the same allocator.
 #[derive(Debug)]
@@ -634,9 +642,11 @@ impl RadixCache {
         }
         if n.in_lru {
             self.lru.remove(&lru_key(n, id));
-            self.lru.insert((n.ret.priority, clock, id));
         }
         let old = std::mem::replace(&mut n.last_access, clock);
+        if n.in_lru {
+            self.lru.insert(lru_key(n, id));
+        }
         if n.in_host_lru {
             self.touch_host(id, old, clock);
         }
@@ -953,212 +963,21 @@ impl RadixCache {
         Ok(())
     }
 
-    /// The eviction order that reaches `goal`: least recently used unlocked leaves first, parents
-    /// once all their children are gone. Changes nothing; stops early when the goal is reached.
-    fn plan(&mut self, alloc: &PageAllocator, others: &Others<'_>, goal: &Goal) -> Plan {
-        self.expire();
-        let mut plan = Plan {
-            order: Vec::new(),
-            tokens: 0,
-            freed_pages: 0,
-        };
-        let mut leaves = self.lru.iter().copied().peekable();
-        let mut exposed: BinaryHeap<Reverse<EvictKey>> = BinaryHeap::new();
-        let mut gone: HashMap<u32, usize> = HashMap::new();
-        // With no cached page shared, every evicted page is freed: no need to look at each.
-        let exact = alloc.shared_cached() == 0;
-        loop {
-            let reached = match *goal {
-                Goal::Tokens(n) => plan.tokens >= n,
-                Goal::FreePages(n) | Goal::FreeSliding(_, n) | Goal::FreeStateSlots(n) => {
-                    plan.freed_pages >= n
-                }
-            };
-            if reached {
-                break;
-            }
-            let next = match (leaves.peek().copied(), exposed.peek().map(|r| r.0)) {
-                (Some(a), Some(b)) if b < a => exposed.pop().map(|r| r.0),
-                (Some(_), _) => leaves.next(),
-                (None, Some(_)) => exposed.pop().map(|r| r.0),
-                (None, None) => None,
-            };
-            let Some((_, _, id)) = next else { break };
-            let n = self.node(id);
-            plan.order.push(id);
-            plan.tokens += n.key().len();
-            plan.freed_pages += match *goal {
-                Goal::FreeSliding(g, _) => self.freed_in(n, others, Some(g)),
-                Goal::FreeStateSlots(_) => self.freed_in(n, others, None),
-                _ if exact => n.pages().len(),
-                _ => n.pages().iter().filter(|&&p| alloc.only_cached(p)).count(),
-            };
-            let parent = self.node(n.parent);
-            if !parent.key().is_empty() && parent.lock == 0 && parent.ret.pins == 0 {
-                let g = gone.entry(n.parent).or_insert(0);
-                *g += 1;
-                if *g == parent.children.len() - parent.host_kids as usize {
-                    exposed.push(Reverse(lru_key(parent, n.parent)));
-                }
-            }
+    /// `reset` refuses a cache any lock is held on.
+    fn check_unlocked(&self) -> Result<(), RadixError> {
+        let locks: u64 = self
+            .nodes
+            .iter()
+            .filter(|n| n.live)
+            .map(|n| u64::from(n.own_locks))
+            .sum();
+        if locks > 0 {
+            return Err(RadixError::Locked {
+                protected: self.protected,
+                locks,
+            });
         }
-        plan
-    }
-
-    /// Removes an unlocked leaf: drops the tree's reference on its pages.
-    /// Pages freed by it go to `out` (allocated) while `out` has fewer than `want`, else to the
-    /// free list.
-    fn remove_leaf(
-        &mut self,
-        alloc: &mut PageAllocator,
-        others: &mut Others<'_>,
-        id: u32,
-        out: &mut Vec<i32>,
-        want: usize,
-    ) {
-        self.events_removed(id);
-        let n = &self.nodes[id as usize];
-        if n.in_lru {
-            self.lru.remove(&lru_key(n, id));
-        }
-        self.on_evict(id);
-        let n = &self.nodes[id as usize];
-        alloc.release_cached_into(n.pages(), out, want);
-        if !n.extra.is_empty() {
-            self.release_extra(id, others);
-        }
-        let n = &self.nodes[id as usize];
-        let (parent, first, len) = (n.parent, n.key()[0], n.key_len as usize);
-        if !self.forget_host(id) {
-            self.evictable -= len;
-        }
-        self.free_node(id);
-        self.node_mut(parent).children.remove(first, id);
-        let p = self.node(parent);
-        if p.key().is_empty() {
-            if parent != SUPER && p.children.is_empty() && p.lock == 0 {
-                if let Some(ns) = self.node_mut(parent).ns.take() {
-                    self.roots.remove(&ns);
-                }
-                self.free_node(parent);
-            }
-        } else {
-            self.refresh(parent);
-        }
-    }
-
-    /// Evicts the plan's nodes; the pages they free go to `out` (allocated) up to `want`
-    /// entries, the rest to the free list.
-    fn apply(
-        &mut self,
-        alloc: &mut PageAllocator,
-        others: &mut Others<'_>,
-        plan: &Plan,
-        out: &mut Vec<i32>,
-        want: usize,
-    ) {
-        for &id in &plan.order {
-            self.remove_leaf(alloc, others, id, out, want);
-        }
-    }
-
-    /// Evicts unlocked, unpinned leaves (then their parents), lowest current priority first and
-    /// least recently used within one priority (see `retention`), until at least
-    /// `num_tokens` tokens left the tree or nothing evictable is left. Whole nodes go, so more
-    /// than asked may be evicted. Returns the tokens evicted.
-    ///
-    /// # Errors
-    /// [`RadixError::WrongAllocator`]; [`RadixError::GroupAllocators`] for a hybrid cache (use
-    /// [`evict_with`](Self::evict_with)).
-    pub fn evict(
-        &mut self,
-        alloc: &mut PageAllocator,
-        num_tokens: usize,
-    ) -> Result<usize, RadixError> {
-        self.evict_with(alloc, &mut Others::default(), num_tokens)
-    }
-
-    /// [`evict`](Self::evict) for any cache: `others` holds the allocators of the extra page
-    /// spaces (sliding groups, state slots) the cache was built with; their pages are released
-    /// with the nodes.
-    ///
-    /// # Errors
-    /// [`RadixError::WrongAllocator`], [`RadixError::GroupAllocators`].
-    pub fn evict_with(
-        &mut self,
-        alloc: &mut PageAllocator,
-        others: &mut Others<'_>,
-        num_tokens: usize,
-    ) -> Result<usize, RadixError> {
-        self.check_alloc(alloc)?;
-        self.check_others(others)?;
-        let plan = self.plan(alloc, others, &Goal::Tokens(num_tokens));
-        self.apply(alloc, others, &plan, &mut Vec::new(), 0);
-        Ok(plan.tokens)
-    }
-
-    /// Allocates `n` pages, first evicting LRU entries until enough pages are free.
-    ///
-    /// # Errors
-    /// [`AllocError::OutOfPages`] (with the pages eviction could reclaim) when even evicting
-    /// everything evictable would not free enough; nothing is evicted or allocated then.
-    pub fn alloc(
-        &mut self,
-        alloc: &mut PageAllocator,
-        n: usize,
-    ) -> Result<Vec<PageId>, RadixError> {
-        Ok(self
-            .alloc_i32(alloc, n)?
-            .into_iter()
-            .filter_map(|p| PageId::new(p as u32))
-            .collect())
-    }
-
-    /// [`alloc`](Self::alloc) returning the ids as int32 (page-table entries).
-    ///
-    /// # Errors
-    /// As [`alloc`](Self::alloc).
-    pub fn alloc_i32(
-        &mut self,
-        alloc: &mut PageAllocator,
-        n: usize,
-    ) -> Result<Vec<i32>, RadixError> {
-        self.alloc_i32_with(alloc, &mut Others::default(), n)
-    }
-
-    /// [`alloc_i32`](Self::alloc_i32) for any cache (`others` as for
-    /// [`evict_with`](Self::evict_with)).
-    ///
-    /// # Errors
-    /// As [`alloc`](Self::alloc), plus [`RadixError::GroupAllocators`].
-    pub fn alloc_i32_with(
-        &mut self,
-        alloc: &mut PageAllocator,
-        others: &mut Others<'_>,
-        n: usize,
-    ) -> Result<Vec<i32>, RadixError> {
-        self.check_alloc(alloc)?;
-        self.check_others(others)?;
-        let free = alloc.num_free();
-        // (capped: `n` is the caller's, and more than the pool holds fails below)
-        let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
-        if n > free {
-            // Evict until enough pages are free; nothing changes when even evicting all would
-            // not do. The pages eviction frees are handed out directly (then the free list's).
-            let plan = self.plan(alloc, others, &Goal::FreePages(n - free));
-            if plan.freed_pages < n - free {
-                return Err(AllocError::OutOfPages {
-                    requested: n,
-                    free,
-                    evictable: plan.freed_pages,
-                }
-                .into());
-            }
-            self.apply(alloc, others, &plan, &mut out, n);
-        }
-        let rest = n - out.len();
-        alloc.alloc_into(&mut out, rest)?;
-        Ok(out)
+        Ok(())
     }
 
     /// Empties the cache (dropping the tree's page references) and zeroes the counters. Every
@@ -1181,18 +1000,7 @@ impl RadixCache {
     ) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         self.check_others(others)?;
-        let locks: u64 = self
-            .nodes
-            .iter()
-            .filter(|n| n.live)
-            .map(|n| u64::from(n.own_locks))
-            .sum();
-        if locks > 0 {
-            return Err(RadixError::Locked {
-                protected: self.protected,
-                locks,
-            });
-        }
+        self.check_unlocked()?;
         for id in 0..self.nodes.len() as u32 {
             let n = self.node(id);
             alloc.release_cached_all(n.pages());
@@ -1231,128 +1039,6 @@ impl RadixCache {
             }
         }
         out
-    }
-
-    /// Checks every structural invariant against `alloc` (O(tree); for tests).
-    ///
-    /// # Errors
-    /// [`RadixError::Corrupt`] naming the first broken invariant.
-    pub fn check_invariants(&self, alloc: &PageAllocator) -> Result<(), RadixError> {
-        let bad = |s: String| Err(RadixError::Corrupt(s));
-        self.check_alloc(alloc)?;
-        let ps = self.page_size;
-        let (mut evictable, mut protected, mut in_lru) = (0, 0, 0);
-        let mut seen = vec![false; alloc.num_pages() + 1];
-        for (i, n) in self.nodes.iter().enumerate() {
-            let id = i as u32;
-            if !n.live {
-                if !self.free_slots.contains(&id) {
-                    return bad(format!("dead slot {id} not on the free list"));
-                }
-                continue;
-            }
-            let child_locks: u64 = n.children.ids().map(|c| u64::from(self.node(c).lock)).sum();
-            if u64::from(n.lock) != child_locks + u64::from(n.own_locks) {
-                return bad(format!(
-                    "node {id}: lock {} != own {} + children {child_locks}",
-                    n.lock, n.own_locks
-                ));
-            }
-            if n.children.ids().count() != n.children.len() || !n.children.well_formed() {
-                return bad(format!("node {id}: child count or representation wrong"));
-            }
-            for (first, c) in n.children.entries() {
-                let cn = self.node(c);
-                let found = cn.key().get(..ps).and_then(|page| self.child(id, page));
-                if !cn.live
-                    || cn.parent != id
-                    || cn.key().first() != Some(&first)
-                    || found != Some(c)
-                {
-                    return bad(format!("node {id}: child {c} mislinked"));
-                }
-            }
-            if id == SUPER {
-                continue;
-            }
-            if n.key().is_empty() {
-                let ok = n.parent == NONE
-                    && n.ns
-                        .as_ref()
-                        .is_some_and(|ns| self.roots.get(ns) == Some(&id))
-                    && !n.children.is_empty();
-                if !ok {
-                    return bad(format!("namespace root {id} malformed or childless"));
-                }
-                continue;
-            }
-            if n.key().len() != n.pages().len() * ps
-                || n.parent == NONE
-                || !self.node(n.parent).live
-            {
-                return bad(format!(
-                    "node {id}: {} tokens, {} pages, parent {}",
-                    n.key().len(),
-                    n.pages().len(),
-                    n.parent
-                ));
-            }
-            let parent = self.node(n.parent);
-            if !parent.key().is_empty() && parent.last_access < n.last_access {
-                return bad(format!("node {id} accessed after its parent"));
-            }
-            if n.host {
-                continue; // host pages and LRU: `check_invariants_tiered`
-            }
-            if n.lock == 0 && n.ret.pins == 0 {
-                evictable += n.key().len();
-            } else {
-                protected += n.key().len();
-            }
-            if n.in_lru != self.is_evictable_leaf(id)
-                || (n.in_lru && !self.lru.contains(&lru_key(n, id)))
-            {
-                return bad(format!("node {id}: LRU membership wrong"));
-            }
-            in_lru += usize::from(n.in_lru);
-            for &raw in n.pages() {
-                let i = raw as u32 as usize;
-                let Some(p) = PageId::new(raw as u32).filter(|_| i < seen.len()) else {
-                    return bad(format!("page {raw} stored in the tree is not a usable id"));
-                };
-                if seen[i] || !alloc.is_cached(p) || alloc.ref_count(p) == 0 {
-                    return bad(format!("page {i}: held twice, unmarked or free"));
-                }
-                seen[i] = true;
-            }
-        }
-        let shared = (1..=alloc.num_pages() as u32)
-            .filter_map(PageId::new)
-            .filter(|&p| alloc.is_cached(p) && alloc.ref_count(p) >= 2)
-            .count();
-        if shared != alloc.shared_cached() {
-            return bad(format!(
-                "allocator counts {} shared cached pages, there are {shared}",
-                alloc.shared_cached()
-            ));
-        }
-        if (evictable, protected) != (self.evictable, self.protected) {
-            return bad(format!(
-                "sizes: counted evictable {evictable} protected {protected}, kept {} {}",
-                self.evictable, self.protected
-            ));
-        }
-        if in_lru != self.lru.len() {
-            return bad("stale LRU entries".into());
-        }
-        self.check_retention()?;
-        self.check_events().map_err(RadixError::Corrupt)?;
-        for (ns, &r) in &self.roots {
-            if self.node(r).ns.as_deref() != Some(&ns[..]) {
-                return bad(format!("root {r} has the wrong namespace"));
-            }
-        }
-        Ok(())
     }
 }
 

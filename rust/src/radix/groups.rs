@@ -20,7 +20,8 @@
 //! Every allocator is passed by the caller to each call ([`Others`] beside the full-attention
 //! one), checked against the ids the cache was built with.
 
-use super::{common_prefix, Goal, Handle, Namespace, Node, RadixCache, RadixError, NONE, SUPER};
+use super::{common_prefix, Goal, Handle, Namespace, Node, RadixCache, RadixError, Sink};
+use super::{NONE, SUPER};
 use crate::alloc::{AllocError, PageAllocator, RawPage};
 use crate::window::first_kept_entry;
 
@@ -567,7 +568,7 @@ impl RadixCache {
                     None => AllocError::OutOfStateSlots { requested: n, free }.into(),
                 });
             }
-            self.apply(alloc, others, &plan, &mut Vec::new(), 0);
+            self.apply(alloc, &mut Sink::Drop(others), &plan, &mut Vec::new(), 0);
         }
         let space = match group {
             Some(k) => others.sliding.get_mut(k).map(|a| &mut **a),

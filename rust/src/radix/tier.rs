@@ -35,9 +35,9 @@
 
 use std::collections::BTreeSet;
 
-use super::{lru_key, EvictKey, Goal, Handle, Namespace, Others, Plan, RadixCache, RadixError};
+use super::{lru_key, EvictKey, Handle, Namespace, Others, RadixCache, RadixError, Sink};
 use super::{Medium, NONE, SUPER};
-use crate::alloc::{AllocError, PageAllocator, RawPage};
+use crate::alloc::{PageAllocator, RawPage};
 
 /// Counters of the host tier, in pages and tokens since construction or `reset`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -284,7 +284,7 @@ impl RadixCache {
     /// Demotes device leaf `id` (unlocked, all children on the host), or drops it with its host
     /// subtree when the host pool cannot take it. Its device pages go to `out` up to `want`, as
     /// `remove_leaf` does.
-    fn demote(
+    pub(super) fn demote(
         &mut self,
         alloc: &mut PageAllocator,
         host: &mut PageAllocator,
@@ -331,19 +331,6 @@ impl RadixCache {
         self.events_moved(id, Medium::Gpu, Medium::Cpu);
     }
 
-    fn apply_tiered(
-        &mut self,
-        alloc: &mut PageAllocator,
-        host: &mut PageAllocator,
-        plan: &Plan,
-        out: &mut Vec<i32>,
-        want: usize,
-    ) {
-        for &id in &plan.order {
-            self.demote(alloc, host, id, out, want);
-        }
-    }
-
     /// [`evict`](Self::evict) with the host tier: the nodes evicted are demoted (see the module
     /// docs). Returns the tokens that left the device tier.
     ///
@@ -356,9 +343,7 @@ impl RadixCache {
         num_tokens: usize,
     ) -> Result<usize, RadixError> {
         self.check_host(alloc, host)?;
-        let plan = self.plan(alloc, &Others::default(), &Goal::Tokens(num_tokens));
-        self.apply_tiered(alloc, host, &plan, &mut Vec::new(), 0);
-        Ok(plan.tokens)
+        Ok(self.evict_tokens(alloc, &mut Sink::Demote(host), num_tokens))
     }
 
     /// [`alloc_i32`](Self::alloc_i32) with the host tier: the nodes evicted to free pages are
@@ -374,23 +359,7 @@ impl RadixCache {
         n: usize,
     ) -> Result<Vec<i32>, RadixError> {
         self.check_host(alloc, host)?;
-        let free = alloc.num_free();
-        let mut out = Vec::with_capacity(n.min(alloc.num_pages()));
-        if n > free {
-            let plan = self.plan(alloc, &Others::default(), &Goal::FreePages(n - free));
-            if plan.freed_pages < n - free {
-                return Err(AllocError::OutOfPages {
-                    requested: n,
-                    free,
-                    evictable: plan.freed_pages,
-                }
-                .into());
-            }
-            self.apply_tiered(alloc, host, &plan, &mut out, n);
-        }
-        let rest = n - out.len();
-        alloc.alloc_into(&mut out, rest)?;
-        Ok(out)
+        self.alloc_evicting(alloc, &mut Sink::Demote(host), n)
     }
 
     /// [`insert_parts`](Self::insert_parts) with the host tier: host nodes on the inserted path

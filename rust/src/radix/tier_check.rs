@@ -16,18 +16,7 @@ impl RadixCache {
         host: &mut PageAllocator,
     ) -> Result<(), RadixError> {
         self.check_host(alloc, host)?;
-        let locks: u64 = self
-            .nodes
-            .iter()
-            .filter(|n| n.live)
-            .map(|n| u64::from(n.own_locks))
-            .sum();
-        if locks > 0 {
-            return Err(RadixError::Locked {
-                protected: self.protected,
-                locks,
-            });
-        }
+        self.check_unlocked()?;
         for n in self.nodes.iter().filter(|n| n.live) {
             if n.host {
                 host.release_cached_all(n.pages());
