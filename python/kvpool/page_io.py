@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool._torch import torch
+from kvpool.host_plan import PER_PAGE_ROLES as PAGE_ROLES  # the host tier's: one list of roles
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
-
-#: Roles whose buffers hold per-page bytes (first dimension: rows or pages of a page space).
-PAGE_ROLES = ("data", "block_scale", "block_scale_page_major")
 
 
 @dataclass(frozen=True)
