@@ -105,6 +105,7 @@ def start_events(args, cache):
 
 
 def serve(args) -> int:
+    import kvpool
     import torch
 
     pool, _allocator, cache = build(args, num_tokens=256)
@@ -112,7 +113,8 @@ def serve(args) -> int:
     tokens = prompt(args)
     ps = pool.page_size
     pages = cache.alloc(-(-len(tokens) // ps))
-    loc = torch.tensor([p * ps + o for p in pages for o in range(ps)][: len(tokens)])
+    lens = np.array([len(tokens)], np.int32)  # the prompt's slots, as a scheduler would
+    loc = torch.from_numpy(kvpool.extend_slots(pages[None], np.zeros(1, np.int32), lens, ps))
     g = torch.Generator().manual_seed(1)
     for layer in pool.layers:  # a forward pass would write these
         view = pool.layer(layer)

@@ -92,6 +92,10 @@ def test_round_trip_is_byte_exact_for_every_kv_dtype(redis_server, dtype, recipe
     sa = PageStore(a, redis_server.url, seed=SEED, prefix=prefix)
     assert sa.put_pages(toks, np.array(src_pages + [7])) == 4
     assert sa.stats["puts"] == 4
+    assert sa.stats == {"puts": 4, "put_bytes": 4 * sa.value_bytes, "lookups": 0, "hits": 0,
+                        "misses": 0, "refused": 0, "errors": 0, "skipped": 0}
+    assert list(sa.stats) == ["puts", "put_bytes", "lookups", "hits", "misses", "refused",
+                              "errors", "skipped"]
 
     # a pool of another size (same model and layout: same fingerprint), other page ids
     b = make_pool(dtype, recipe, num_tokens=96)

@@ -386,3 +386,25 @@ def test_gpu_demote_and_load_are_byte_exact_and_asynchronous(dtype):
     torch.cuda.synchronize()
     tier.poll()
     assert tier.host_allocator.num_used == 0
+
+
+@pytest.mark.parametrize("dtype,recipe", [(d, "linear") for d in kvpool.KV_DTYPES]
+                         + [("nvfp4", "mixed"), ("nvfp4", "page_major")])
+def test_host_pages_hold_the_page_store_layout(dtype, recipe):
+    # the tier (plan.host.buffers) and the page store (PageLayout) pick the same per-page
+    # buffers in the same order: a host page's bytes, buffer after buffer, are read_pages' row
+    plan = plan_for(dtype, nvfp4_recipe=recipe)
+    pool = kvpool.KVPool(plan, device="cpu")
+    host = HostPool(pool)
+    names = [s.name for s in pool.page_layout.sections]
+    assert names == [b.name for b in plan.host.buffers] == list(host.buffers)
+    g = torch.Generator().manual_seed(3)
+    for name in names:
+        v = pool.buffers[name].view(torch.uint8)
+        v.copy_(torch.randint(0, 256, v.shape, generator=g, dtype=torch.uint8))
+    src, dst = np.array([3, 5, 6], np.int32), np.array([2, 9, 1], np.int32)
+    host.copy_pages(src, dst, to_host=True, non_blocking=False)
+    rows = [host.buffers[n].view(torch.uint8).reshape(host.num_pages + 1, -1) for n in names]
+    got = torch.cat([r[torch.as_tensor(dst, dtype=torch.int64)] for r in rows], dim=1)
+    assert got.shape == (3, pool.page_layout.page_bytes)
+    assert torch.equal(got, pool.read_pages(src))

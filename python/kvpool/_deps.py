@@ -18,6 +18,21 @@ def missing(module: str, extra: str, what: str) -> ImportError:
     )
 
 
+def require(module: str, extra: str, what: str, package: str | None = None) -> ModuleType:
+    """The module ``module`` (dotted name), imported.
+
+    Raises
+    ------
+    ImportError
+        :func:`missing`'s error, naming ``package`` (default ``module``), the PyPI name to
+        install, and ``extra``; chained from the original ImportError.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise missing(package or module, extra, what) from e
+
+
 def require_torch() -> ModuleType:
     """The ``torch`` module.
 
@@ -26,10 +41,7 @@ def require_torch() -> ModuleType:
     ImportError
         torch is missing; the message names the extra (``pip install 'kvpool[torch]'``).
     """
-    try:
-        return importlib.import_module("torch")
-    except ImportError as e:
-        raise missing("torch", "torch", "KVPool, kvpool.attention and kvpool.write") from e
+    return require("torch", "torch", "KVPool, kvpool.attention and kvpool.write")
 
 
 def require_pyplot() -> ModuleType:
@@ -56,10 +68,7 @@ def require_redis() -> ModuleType:
     ImportError
         redis is missing; the message names the extra (``pip install 'kvpool[store]'``).
     """
-    try:
-        return importlib.import_module("redis")
-    except ImportError as e:
-        raise missing("redis", "store", "kvpool.store") from e
+    return require("redis", "store", "kvpool.store")
 
 
 def require_xxhash() -> ModuleType:
@@ -70,7 +79,4 @@ def require_xxhash() -> ModuleType:
     ImportError
         xxhash is missing; the message names the extra (``pip install 'kvpool[store]'``).
     """
-    try:
-        return importlib.import_module("xxhash")
-    except ImportError as e:
-        raise missing("xxhash", "store", "kvpool.store") from e
+    return require("xxhash", "store", "kvpool.store")

@@ -59,7 +59,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvpool._core import KvEventBatch
-from kvpool._deps import missing
+from kvpool._deps import require
 
 __all__ = [
     "END_SEQ",
@@ -85,19 +85,11 @@ _FIELDS = {"BlockStored": _STORED, "BlockRemoved": _REMOVED, "AllBlocksCleared":
 
 
 def _msgspec() -> Any:
-    try:
-        import msgspec.msgpack
-    except ImportError as e:
-        raise missing("msgspec", "events", "kvpool.events") from e
-    return msgspec.msgpack
+    return require("msgspec.msgpack", "events", "kvpool.events", package="msgspec")
 
 
 def _zmq() -> Any:
-    try:
-        import zmq
-    except ImportError as e:
-        raise missing("pyzmq", "events", "kvpool.events.EventPublisher") from e
-    return zmq
+    return require("zmq", "events", "kvpool.events.EventPublisher", package="pyzmq")
 
 
 def _check_format(event_format: str) -> None:

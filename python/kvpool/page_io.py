@@ -25,12 +25,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool._torch import torch
+from kvpool.host_plan import PER_PAGE_ROLES as PAGE_ROLES  # the host tier's: one list of roles
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
-
-#: Roles whose buffers hold per-page bytes (first dimension: rows or pages of a page space).
-PAGE_ROLES = ("data", "block_scale", "block_scale_page_major")
 
 
 @dataclass(frozen=True)
@@ -111,9 +109,13 @@ class PageLayout:
 
     def check_pages(self, pages: np.ndarray | torch.Tensor) -> None:
         """Raise the error :meth:`read` raises for bad ``pages``, else nothing."""
-        self._index(pages)
+        self._host_index(pages)
 
     def _index(self, pages: np.ndarray | torch.Tensor) -> torch.Tensor:
+        return self._host_index(pages).to(self.pool.device)
+
+    def _host_index(self, pages: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """``pages`` checked, as a CPU int64 tensor (checks on the host: no device sync)."""
         idx = torch.as_tensor(np.asarray(pages), dtype=torch.int64)
         if idx.ndim != 1:
             raise ValueError(f"`pages` must be 1-D, got shape {tuple(idx.shape)}")
@@ -122,7 +124,7 @@ class PageLayout:
             raise ValueError(
                 f"`pages` holds page id {bad}: ids are 1..{self.num_pages} (0 is padding)"
             )
-        return idx.to(self.pool.device)
+        return idx
 
     def read(
         self, pages: np.ndarray | torch.Tensor, out: torch.Tensor | None = None
@@ -171,14 +173,15 @@ class PageLayout:
         ValueError
             ``pages`` as in :meth:`read`, repeated ids, or ``data`` not uint8 of that shape.
         """
-        idx = self._index(pages)
+        idx = self._host_index(pages)
         if data.dtype != torch.uint8 or tuple(data.shape) != (idx.numel(), self.page_bytes):
             raise ValueError(
                 f"`data` must be uint8 [{idx.numel()}, {self.page_bytes}], got "
                 f"{data.dtype} {list(data.shape)}"
             )
-        if torch.unique(idx).numel() != idx.numel():
+        if torch.unique(idx).numel() != idx.numel():  # on the host: no device sync
             raise ValueError(f"`pages` repeats a page id: {idx.tolist()}")
+        idx = idx.to(self.pool.device)
         cpu = self.pool.device.type == "cpu"
         data = data.to(self.pool.device)
         src, ix = (data.numpy(), idx.numpy()) if cpu else (None, None)

@@ -49,7 +49,7 @@ import json
 import logging
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -574,9 +574,7 @@ class PageStore:
     @property
     def stats(self) -> dict[str, int]:
         """The counters (see the class docstring), as a dict."""
-        s = self._stats
-        names = ("puts", "put_bytes", "lookups", "hits", "misses", "refused", "errors", "skipped")
-        return {k: getattr(s, k) for k in names}
+        return asdict(self._stats)
 
 
 def _redact(url: str) -> str:
