@@ -112,8 +112,11 @@ def main() -> int:  # noqa: D103
         for ph, ks in kernels.items():
             tot = sum(v[1] for v in ks.values())
             top = sorted(ks.items(), key=lambda kv: -kv[1][1])[: args.top]
-            rec["kernels"][ph] = {"total_us": tot, "launches": sum(v[0] for v in ks.values()),
-                                  "top": [{"name": n_, "count": c, "us": u} for n_, (c, u) in top]}
+            rec["kernels"][ph] = {
+                "total_us": tot,
+                "launches": sum(v[0] for v in ks.values()),
+                "top": [{"name": n_, "count": c, "us": u} for n_, (c, u) in top],
+            }
             print(f"== {ph}: {tot / 1e3:.1f} ms GPU, {sum(v[0] for v in ks.values())} kernels")
             for n_, (c, u) in top:
                 print(f"  {u / 1e3:9.2f} ms {c:7d}x  {n_}")
