@@ -9,8 +9,8 @@ first use, one module per head_dim / KV dtype / variant, cached under ``~/.cache
   per tensor), the layer's window (``window_left = window - 1``), soft-cap, and sinks where its
   ``run`` takes them (else without, noted in the record).
 - MLA layers: ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` on contiguous copies of the
-  latent's two parts (``ckv [pages, page, 512]``, ``kpe [pages, page, 64]``), bf16 (and fp8
-  where its plan accepts it), DeepSeek's softmax scale.
+  latent's two parts (``ckv [pages, page, 512]``, ``kpe [pages, page, 64]``), bf16 and fp8
+  (``ckv_scale`` / ``kpe_scale``: the latent's per-tensor scale), DeepSeek's softmax scale.
 
 A new JIT module is not started with less than twice its estimated compile time of the
 budget left. Timing as kvpool's (CUDA graph replays, L2 flushed, median); where capture fails, eager
@@ -155,8 +155,13 @@ def point(bench, view, lay, dtype, page, b, n) -> dict:
         q_nope = torch.randn(b, lay.hq, rank, device=dev).to(torch.bfloat16)
         q_pe = torch.randn(b, lay.hq, lay.d - rank, device=dev).to(torch.bfloat16)
 
+        # fp8 KV: FlashInfer 0.7.4 requires the per-tensor dequantization scales of both
+        # parts (ckv_scale, kpe_scale; one scale for the whole latent row here)
+        kw = {} if dtype == "bf16" else dict(ckv_scale=float(view.k_scale),
+                                              kpe_scale=float(view.k_scale))  # fmt: skip
+
         def fn():
-            return w.run(q_nope, q_pe, ckv, kpe)
+            return w.run(q_nope, q_pe, ckv, kpe, **kw)
 
         flops = 2 * b * lay.hq * n * (lay.d + rank)
     else:
