@@ -181,6 +181,43 @@ def test_load_back_bad_input_changes_nothing():
     assert (a.num_used, h.num_used) == (0, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_long_load_back_checks_and_applies_its_own_copy(dtype):
+    """16,384 pages (DETACH_MIN): the ids are copied, narrowed and checked with the GIL released
+    (rust/src/py/radix_tier.rs `load`); the errors and the result are the short path's."""
+    n = 1 << 14
+    a, h = PageAllocator(n, 1), PageAllocator(n, 1)
+    c = RadixCache(a, host_allocator=h)
+    toks = np.arange(n, dtype=np.int32)
+    p = c.alloc(n)
+    c.insert(toks, p)
+    a.free(p)
+    assert c.evict(n) == n
+    d, hp = c.take_demotions()
+    assert len(d) == n
+    got, node, hn = c.match_prefix_host(toks)
+    assert hn == n and np.array_equal(got, hp)
+    dev = c.alloc(n)
+    before = (a.num_used, h.num_used, c.tier_stats(), c.total_size)
+    repeated = dev.astype(dtype)
+    repeated[-1] = repeated[0]
+    with pytest.raises(PageError, match="more than once|already"):
+        c.load_back(node, repeated)
+    if dtype is np.int64:
+        wide = dev.astype(np.int64)
+        wide[n // 2] = 1 << 40
+        with pytest.raises(PageError, match=str(1 << 40)):
+            c.load_back(node, wide)
+    assert (a.num_used, h.num_used, c.tier_stats(), c.total_size) == before
+    assert c.load_back(node, dev.astype(dtype)) == n
+    m, _, mn = c.match_prefix(toks)
+    assert mn == n and np.array_equal(m, dev)
+    assert (h.num_used, c.tier_stats()["loaded_pages"]) == (0, n)
+    c.check_invariants()
+    a.free(dev)
+    assert a.num_used == n  # the tree's references only
+
+
 def test_runs_group_contiguous_pages():
     assert runs(np.array([3, 4, 5, 9, 10]), np.array([7, 8, 9, 1, 2])) == [(3, 7, 3), (9, 1, 2)]
     assert runs(np.array([3, 4]), np.array([7, 9])) == [(3, 7, 1), (4, 9, 1)]
