@@ -289,8 +289,35 @@ def test_demote_and_load_move_every_byte_unchanged(dtype, recipe):
     tier.poll()
     m = tier.metrics()
     assert m["loads"] == 10 and m["host_cache_hits"] == 40 and m["failed_loads"] == 0
-    assert 0 < m["kv_cache_usage_perc"] <= 1
+    # the loaded path is unlocked and its request freed its pages: evictable, so free (vLLM)
+    assert m["kv_cache_usage_perc"] == 0.0 and tier.cache.evictable_size == 40
     tier.cache.check_invariants()
+
+
+def test_kv_cache_usage_has_one_definition():
+    """``HostTier.metrics`` and ``cache_metrics`` report vLLM's gauge: used / usable device pages,
+    pages only evictable tree nodes hold counted free (the tier used to count them used)."""
+    from kvpool.metrics import cache_metrics, kv_cache_usage
+
+    tier = HostTier(kvpool.KVPool(plan_for("bf16"), device="cpu"))
+    c, a = tier.cache, tier.allocator
+    toks = np.arange(16, dtype=np.int32)  # 4 pages of 4
+    p = tier.alloc(4)
+    c.insert(toks, p)
+    a.free(p)  # 4 cached pages, evictable
+    held = tier.alloc(3)  # a request's pages
+    _, node, n = c.match_prefix(toks[:8])
+    c.lock(node)  # the first 2 cached pages are protected
+    assert n == 8 and a.num_used == 7
+    want = (3 + 2) / a.num_pages  # held + locked; the 2 evictable cached pages are free
+    assert tier.metrics()["kv_cache_usage_perc"] == pytest.approx(want)
+    assert cache_metrics(c)["kv_cache_usage_perc"] == pytest.approx(want)
+    assert kv_cache_usage(c) == tier.metrics()["kv_cache_usage_perc"]
+    c.unlock(node)
+    a.free(held)
+    assert tier.metrics()["kv_cache_usage_perc"] == 0.0  # everything cached is evictable
+    assert tier.evict(16) == 16  # demoted: the host pages are not the device pool's
+    assert tier.metrics()["kv_cache_usage_perc"] == cache_metrics(c)["kv_cache_usage_perc"] == 0.0
 
 
 def test_one_copy_per_contiguous_run_and_buffer():
