@@ -206,7 +206,10 @@ mod tests {
             })
         );
         // An empty batch, and requests that keep everything: nothing to free.
-        assert_eq!(rollback_slots(&[], 0, &[], &[], 4, None), Ok((vec![], vec![])));
+        assert_eq!(
+            rollback_slots(&[], 0, &[], &[], 4, None),
+            Ok((vec![], vec![]))
+        );
         assert_eq!(
             rollback_slots(&[1, 2, 3, 4], 2, &[3, 4], &[3, 4], 2, Some(&[2, 4])),
             Ok((vec![], vec![3, 4]))

@@ -19,7 +19,9 @@ pub(crate) fn u64_arg(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
                 obj.repr().map(|r| r.to_string()).unwrap_or_default()
             }
         };
-        PyValueError::new_err(format!("`{what}` must be an int in 0 .. 2**64 - 1, got {got}"))
+        PyValueError::new_err(format!(
+            "`{what}` must be an int in 0 .. 2**64 - 1, got {got}"
+        ))
     })
 }
 

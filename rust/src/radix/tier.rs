@@ -181,7 +181,11 @@ impl RadixCache {
         }
     }
 
-    pub(super) fn check_host(&self, alloc: &PageAllocator, host: &PageAllocator) -> Result<(), RadixError> {
+    pub(super) fn check_host(
+        &self,
+        alloc: &PageAllocator,
+        host: &PageAllocator,
+    ) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         match &self.tier {
             None => Err(RadixError::HostAllocator { has_tier: false }),

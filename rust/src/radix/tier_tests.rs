@@ -153,9 +153,19 @@ fn reset_refusals_change_nothing_and_reset_keeps_the_tier() {
     put(&mut a, &mut h, &mut c, &[1, 2, 3]);
     put(&mut a, &mut h, &mut c, &[7, 8, 9]); // demotes [1, 2, 3]
     c.take_demotions();
-    let before = (a.ref_counts(), h.ref_counts(), c.total_size(), c.host_size());
+    let before = (
+        a.ref_counts(),
+        h.ref_counts(),
+        c.total_size(),
+        c.host_size(),
+    );
     let same = |a: &PageAllocator, h: &PageAllocator, c: &RadixCache| {
-        (a.ref_counts(), h.ref_counts(), c.total_size(), c.host_size()) == before
+        (
+            a.ref_counts(),
+            h.ref_counts(),
+            c.total_size(),
+            c.host_size(),
+        ) == before
     };
     // The plain entry point refuses a tiered cache, another host allocator is refused, and a
     // lock refuses the reset: each before any page is released.
@@ -164,10 +174,16 @@ fn reset_refusals_change_nothing_and_reset_keeps_the_tier() {
         Err(RadixError::HostAllocator { has_tier: true })
     ));
     let mut other = PageAllocator::new(8, 1).unwrap();
-    assert!(matches!(c.reset_tiered(&mut a, &mut other), Err(RadixError::WrongAllocator)));
+    assert!(matches!(
+        c.reset_tiered(&mut a, &mut other),
+        Err(RadixError::WrongAllocator)
+    ));
     let m = c.match_prefix(&ns, &[7, 8, 9]);
     c.lock(m.node).unwrap();
-    assert!(matches!(c.reset_tiered(&mut a, &mut h), Err(RadixError::Locked { locks: 1, .. })));
+    assert!(matches!(
+        c.reset_tiered(&mut a, &mut h),
+        Err(RadixError::Locked { locks: 1, .. })
+    ));
     assert!(same(&a, &h, &c));
     c.unlock(m.node).unwrap();
     c.check_invariants_tiered(&a, &h).unwrap();
