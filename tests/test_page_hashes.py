@@ -58,11 +58,25 @@ def test_namespace_encoding_and_chaining():
         (dict(seed=True), "got True"),
         (dict(seed=1.5), "got 1.5"),
         (dict(seed=0, parent=-2), "`parent`"),
+        # numpy scalars: an out-of-range one is named by its value, a bool one is refused
+        (dict(seed=np.int64(-1)), "`seed` must be an int in 0 .. 2\\*\\*64 - 1, got -1$"),
+        (dict(seed=np.bool_(True)), "`seed` must be an int in 0 .. 2\\*\\*64 - 1, got "),
+        (
+            dict(seed=0, parent=2**64),
+            "`parent` must be an int in 0 .. 2\\*\\*64 - 1, got 18446744073709551616$",
+        ),
     ],
 )
 def test_bad_seed_or_parent(kwargs, match):
     with pytest.raises(ValueError, match=match):
         kvpool.page_hashes(np.arange(4, dtype=np.int32), 2, **kwargs)
+
+
+def test_numpy_integer_seeds_are_accepted():
+    t = np.arange(4, dtype=np.int32)
+    want = kvpool.page_hashes(t, 2, seed=2**64 - 1).tolist()
+    assert kvpool.page_hashes(t, 2, seed=np.uint64(2**64 - 1)).tolist() == want
+    assert want == reference(t, 2, 2**64 - 1)
 
 
 def test_bad_tokens_and_page_size():

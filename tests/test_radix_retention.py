@@ -272,6 +272,18 @@ def test_bad_clock_readings():
         (dict(priority=2**70), InvalidArgumentError, r"`priority` = 1180591620717411303424 is outside"),
         (dict(priority="high"), TypeError, r"`priority` must be an int 0..=100, got `'high'`"),
         (dict(priority=True), TypeError, r"`priority` must be an int 0..=100, got the bool `True`"),
+        (
+            dict(priority=np.bool_(True)),
+            TypeError,
+            r"`priority` must be an int 0..=100, got a value of dtype `bool`",
+        ),
+        (dict(priority=np.int64(-3)), InvalidArgumentError, r"`priority` = -3 is outside 0..=100"),
+        (
+            dict(priority=np.uint64(2**64 - 1)),
+            InvalidArgumentError,
+            r"`priority` = 18446744073709551615 is outside",
+        ),
+        (dict(priority=2.0), TypeError, r"`priority` must be an int 0..=100, got `2.0`"),
         (dict(priority=5, retention_s=-1.0), InvalidArgumentError, r"`retention_s` = -1: a retention is"),
         (dict(priority=5, retention_s=math.nan), InvalidArgumentError, r"`retention_s` = NaN"),
     ],
@@ -286,6 +298,15 @@ def test_bad_priority_and_retention_change_nothing(kw, exc, msg):
         c.insert(toks(1, 2, 3), pages, **kw)
     assert state(c) == before
     assert c.stats()["retained_nodes"] == 0
+
+
+def test_numpy_integer_priorities_are_accepted():
+    a = PageAllocator(8, 1)
+    c = RadixCache(a)
+    put(c, toks(1, 2), priority=np.int64(90))
+    put(c, toks(3, 4), priority=np.uint8(0))
+    c.evict(1)
+    assert c.stats()["evicted_tokens_by_priority"] == {0: 2}
 
 
 def test_hybrid_cache_takes_priorities_too():

@@ -1,12 +1,15 @@
 """kvpool.store / kvpool.page_io against a real redis-server on 127.0.0.1 (tests/redis_fixtures.py).
 
-Bytes are compared against the pools' own buffers indexed here by rows (not through page_io), and
-values read back against the writer's dequantized values.
+Bytes are compared against the pools' own buffers indexed here by rows (not through page_io),
+stored values against values built here from the format's definition (struct, numpy, xxhash:
+not the store's encoder), and values read back against the writer's dequantized values.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import struct
 import time
 
 import numpy as np
@@ -14,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("redis")
-pytest.importorskip("xxhash")
+xxhash = pytest.importorskip("xxhash")
 
 import kvpool  # noqa: E402
 from kvpool.page_io import PageLayout  # noqa: E402
@@ -66,10 +69,65 @@ def page_rows(pool, page):
     out = {}
     for b in pool.plan.buffers:
         if b.role in ("data", "block_scale"):
-            out[b.name] = pool.buffers[b.name][page * PS : (page + 1) * PS].clone()
+            out[b.name] = pool.buffers[b.name][page * PS : (page + 1) * PS].cpu().clone()
         elif b.role == "block_scale_page_major":
-            out[b.name] = pool.buffers[b.name][page].clone()
+            out[b.name] = pool.buffers[b.name][page].cpu().clone()
     return out
+
+
+def page_bytes(pool, page):
+    """``page``'s bytes as the value format lays them out: the per-page buffers' rows in
+    ``plan.buffers`` order, from the pool tensors (not page_io)."""
+    rows = page_rows(pool, page).values()
+    return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in rows)
+
+
+def expected_value(pool, toks, j, page, header):
+    """Page ``j``'s value as store.py's docstring defines format version 1, built here with
+    struct, numpy and xxhash from the pool tensors (not the store's encoder). ``header``: the
+    dict the value must carry (checked by the caller)."""
+    hashes = kvpool.page_hashes(toks, PS, seed=SEED)  # (pinned against xxhash by its own tests)
+    prefix = xxhash.xxh3_128(seed=SEED)
+    for i in range(j + 1):
+        prefix.update(struct.pack("<Q", int(hashes[i])))
+        prefix.update(np.asarray(toks[i * PS : (i + 1) * PS], "<i4").tobytes())
+    hdr = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    scales = b"".join(
+        pool.buffers[b.name].cpu().view(torch.uint8).numpy().tobytes()
+        for b in pool.plan.buffers
+        if b.role == "scale"
+    )
+    body = (
+        b"KVPS"
+        + struct.pack("<HI", 1, len(hdr))
+        + hdr
+        + np.asarray(toks[j * PS : (j + 1) * PS], "<i4").tobytes()
+        + prefix.digest()
+        + scales
+        + page_bytes(pool, page)
+    )
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def stored_header(value):
+    """The JSON header of a stored value (magic, u16 version, u32 length, then the header)."""
+    magic, version, n = struct.unpack_from("<4sHI", value)
+    assert (magic, version) == (b"KVPS", 1)
+    return json.loads(value[10 : 10 + n])
+
+
+def check_stored(store, pool, toks, pages, dtype):
+    """Every stored value of ``toks`` equals the independently built one (header fields known
+    here: format, version, dtype, page size, the page's bytes, the scale count, the fingerprint)."""
+    n_scales = sum(b.role == "scale" for b in pool.plan.buffers)
+    for j, page in enumerate(pages):
+        value = store.client.get(store.key(store.hashes(toks)[j]))
+        header = stored_header(value)
+        assert header["format"] == "kvpool.page" and header["version"] == 1
+        assert (header["dtype"], header["page_size"]) == (dtype, PS)
+        assert header["page_bytes"] == len(page_bytes(pool, page))
+        assert (header["scales"], header["fingerprint"]) == (n_scales, store.fingerprint)
+        assert value == expected_value(pool, toks, j, page, header), f"page {j}"
 
 
 def same(a, b):
@@ -96,6 +154,7 @@ def test_round_trip_is_byte_exact_for_every_kv_dtype(redis_server, dtype, recipe
                         "misses": 0, "refused": 0, "errors": 0, "skipped": 0}
     assert list(sa.stats) == ["puts", "put_bytes", "lookups", "hits", "misses", "refused",
                               "errors", "skipped"]
+    check_stored(sa, a, toks, src_pages, dtype)
 
     # a pool of another size (same model and layout: same fingerprint), other page ids
     b = make_pool(dtype, recipe, num_tokens=96)
@@ -126,8 +185,10 @@ def test_round_trip_is_byte_exact_for_every_kv_dtype(redis_server, dtype, recipe
         else:
             keep = list(range(t.shape[0]))
         assert torch.equal(t[keep].view(torch.uint8), t0[keep].view(torch.uint8)), bs.name
-    # page_io's bytes agree with the row view
-    assert torch.equal(sa.layout.read(src_pages), sb.layout.read(dst_pages))
+    # page_io's bytes are the pages' rows, in the value's order, on both sides
+    for layout, pool, pages in [(sa.layout, a, src_pages), (sb.layout, b, dst_pages.tolist())]:
+        got = layout.read(pages).numpy()
+        assert [row.tobytes() for row in got] == [page_bytes(pool, p) for p in pages]
 
 
 def test_prefix_stops_at_the_first_miss_and_continues_from_start_page(redis_server):
@@ -159,7 +220,9 @@ def test_prefix_stops_at_the_first_miss_and_continues_from_start_page(redis_serv
         with pytest.raises(ValueError, match=match):
             sb.load(f, bad)
     sb.load(f, np.arange(11, 17))
-    assert torch.equal(sb.layout.read(np.arange(11, 17)), sa.layout.read([6, 5, 4, 3, 2, 1]))
+    for s, d in zip([6, 5, 4, 3, 2, 1], range(11, 17), strict=True):
+        assert same(page_rows(a, s), page_rows(b, d)), (s, d)
+    check_stored(sa, a, other, [6, 5, 4, 3, 2, 1], "fp8_e4m3")
 
 
 def _refusal(caplog, store, toks, **kw):
@@ -436,4 +499,6 @@ def test_a_cuda_pool_round_trips_through_the_store(redis_server, dtype, recipe):
     sb = PageStore(b, redis_server.url, seed=SEED, prefix=f"t-cuda-{dtype}")
     f = sb.get_prefix(toks)
     sb.load(f, np.array([9, 8, 7]))
-    assert torch.equal(b.read_pages([9, 8, 7]).cpu(), cpu.read_pages([1, 2, 3]))
+    for s, d in zip([1, 2, 3], [9, 8, 7], strict=True):
+        assert same(page_rows(cpu, s), page_rows(b, d)), (s, d)
+    check_stored(sa, cpu, toks, [1, 2, 3], dtype)

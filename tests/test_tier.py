@@ -181,6 +181,43 @@ def test_load_back_bad_input_changes_nothing():
     assert (a.num_used, h.num_used) == (0, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_long_load_back_checks_and_applies_its_own_copy(dtype):
+    """16,384 pages (DETACH_MIN): the ids are copied, narrowed and checked with the GIL released
+    (rust/src/py/radix_tier.rs `load`); the errors and the result are the short path's."""
+    n = 1 << 14
+    a, h = PageAllocator(n, 1), PageAllocator(n, 1)
+    c = RadixCache(a, host_allocator=h)
+    toks = np.arange(n, dtype=np.int32)
+    p = c.alloc(n)
+    c.insert(toks, p)
+    a.free(p)
+    assert c.evict(n) == n
+    d, hp = c.take_demotions()
+    assert len(d) == n
+    got, node, hn = c.match_prefix_host(toks)
+    assert hn == n and np.array_equal(got, hp)
+    dev = c.alloc(n)
+    before = (a.num_used, h.num_used, c.tier_stats(), c.total_size)
+    repeated = dev.astype(dtype)
+    repeated[-1] = repeated[0]
+    with pytest.raises(PageError, match="more than once|already"):
+        c.load_back(node, repeated)
+    if dtype is np.int64:
+        wide = dev.astype(np.int64)
+        wide[n // 2] = 1 << 40
+        with pytest.raises(PageError, match=str(1 << 40)):
+            c.load_back(node, wide)
+    assert (a.num_used, h.num_used, c.tier_stats(), c.total_size) == before
+    assert c.load_back(node, dev.astype(dtype)) == n
+    m, _, mn = c.match_prefix(toks)
+    assert mn == n and np.array_equal(m, dev)
+    assert (h.num_used, c.tier_stats()["loaded_pages"]) == (0, n)
+    c.check_invariants()
+    a.free(dev)
+    assert a.num_used == n  # the tree's references only
+
+
 def test_runs_group_contiguous_pages():
     assert runs(np.array([3, 4, 5, 9, 10]), np.array([7, 8, 9, 1, 2])) == [(3, 7, 3), (9, 1, 2)]
     assert runs(np.array([3, 4]), np.array([7, 9])) == [(3, 7, 1), (4, 9, 1)]
@@ -252,8 +289,35 @@ def test_demote_and_load_move_every_byte_unchanged(dtype, recipe):
     tier.poll()
     m = tier.metrics()
     assert m["loads"] == 10 and m["host_cache_hits"] == 40 and m["failed_loads"] == 0
-    assert 0 < m["kv_cache_usage_perc"] <= 1
+    # the loaded path is unlocked and its request freed its pages: evictable, so free (vLLM)
+    assert m["kv_cache_usage_perc"] == 0.0 and tier.cache.evictable_size == 40
     tier.cache.check_invariants()
+
+
+def test_kv_cache_usage_has_one_definition():
+    """``HostTier.metrics`` and ``cache_metrics`` report vLLM's gauge: used / usable device pages,
+    pages only evictable tree nodes hold counted free (the tier used to count them used)."""
+    from kvpool.metrics import cache_metrics, kv_cache_usage
+
+    tier = HostTier(kvpool.KVPool(plan_for("bf16"), device="cpu"))
+    c, a = tier.cache, tier.allocator
+    toks = np.arange(16, dtype=np.int32)  # 4 pages of 4
+    p = tier.alloc(4)
+    c.insert(toks, p)
+    a.free(p)  # 4 cached pages, evictable
+    held = tier.alloc(3)  # a request's pages
+    _, node, n = c.match_prefix(toks[:8])
+    c.lock(node)  # the first 2 cached pages are protected
+    assert n == 8 and a.num_used == 7
+    want = (3 + 2) / a.num_pages  # held + locked; the 2 evictable cached pages are free
+    assert tier.metrics()["kv_cache_usage_perc"] == pytest.approx(want)
+    assert cache_metrics(c)["kv_cache_usage_perc"] == pytest.approx(want)
+    assert kv_cache_usage(c) == tier.metrics()["kv_cache_usage_perc"]
+    c.unlock(node)
+    a.free(held)
+    assert tier.metrics()["kv_cache_usage_perc"] == 0.0  # everything cached is evictable
+    assert tier.evict(16) == 16  # demoted: the host pages are not the device pool's
+    assert tier.metrics()["kv_cache_usage_perc"] == cache_metrics(c)["kv_cache_usage_perc"] == 0.0
 
 
 def test_one_copy_per_contiguous_run_and_buffer():

@@ -6,8 +6,8 @@ vLLM's metrics where one exists (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cac
 ``vllm:prefix_cache_hits``, defined in vLLM's v1 metrics loggers); the others are
 kvpool's. Keys (gauges unless marked counter):
 
-- ``kv_cache_usage_perc``: fraction 0..1 of pages in use, counted as vLLM does: pages only the
-  cache holds and no lock protects (evictable) count as free;
+- ``kv_cache_usage_perc``: fraction 0..1 of the device pool's pages in use, counted as vLLM
+  does (:func:`kv_cache_usage`; ``HostTier.metrics`` reports the same value);
 - ``pool_used_perc``: fraction 0..1 of pages not on the allocator's free list (cached included);
 - ``prefix_cache_queries`` (counter, tokens): tokens asked of ``match_prefix``;
 - ``prefix_cache_hits`` (counter, tokens): tokens ``match_prefix`` served from the cache;
@@ -30,7 +30,7 @@ from typing import Any
 
 from kvpool._deps import missing
 
-__all__ = ["COUNTERS", "cache_metrics", "register_prometheus"]
+__all__ = ["COUNTERS", "cache_metrics", "kv_cache_usage", "register_prometheus"]
 
 COUNTERS = frozenset({
     "prefix_cache_queries", "prefix_cache_hits", "kv_events_recorded", "blocks_stored",
@@ -61,6 +61,31 @@ _HELP = {
 }
 
 
+def kv_cache_usage(cache: Any) -> float:
+    """The ``kv_cache_usage_perc`` gauge (vLLM's) of ``cache``'s device pool: used / usable pages.
+
+    The one definition of the gauge (:func:`cache_metrics` and ``HostTier.metrics`` both report
+    it). vLLM counts a cached block no request references as free, since it is reused on demand;
+    here the pages of evictable tree nodes (``evictable_size // page_size``: unlocked, unpinned)
+    count as free with the allocator's free list, and the pages of locked or pinned paths and
+    those requests hold count as used. A page a request holds on an unlocked path is counted
+    free (the cache cannot tell it apart), hence the clamp at 0.
+
+    Parameters
+    ----------
+    cache : RadixCache
+        Any cache (with or without a host tier: host pages are not the device pool's).
+
+    Returns
+    -------
+    float
+        In 0..1 (an allocator has at least one usable page).
+    """
+    a = cache.allocator
+    free = a.num_free + cache.evictable_size // cache.page_size
+    return max(0.0, 1.0 - free / a.num_pages)
+
+
 def cache_metrics(cache: Any, publisher: Any = None) -> dict[str, float]:
     """The metrics of ``cache`` (and ``publisher``) as a flat dict (see the module's table).
 
@@ -81,7 +106,7 @@ def cache_metrics(cache: Any, publisher: Any = None) -> dict[str, float]:
     evictable = cache.evictable_size
     hits, misses = cache.hit_tokens, cache.miss_tokens
     m: dict[str, float] = {
-        "kv_cache_usage_perc": max(0.0, 1.0 - (free + evictable // cache.page_size) / pages),
+        "kv_cache_usage_perc": kv_cache_usage(cache),
         "pool_used_perc": 1.0 - free / pages,
         "prefix_cache_queries": hits + misses,
         "prefix_cache_hits": hits,

@@ -36,6 +36,7 @@ import numpy as np
 
 from kvpool import _core
 from kvpool._torch import torch
+from kvpool.metrics import kv_cache_usage
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
@@ -356,7 +357,8 @@ class HostTier:
     def metrics(self) -> dict[str, float]:
         """Counters and gauges as a dict, under vLLM's names where they exist.
 
-        ``kv_cache_usage_perc`` (device pages in use / usable pages, 0..1, as vLLM's gauge),
+        ``kv_cache_usage_perc`` (vLLM's gauge: :func:`kvpool.metrics.kv_cache_usage`, the
+        device pool's used pages / usable pages, evictable cached pages counted free),
         ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens asked of / served by the
         device match), ``host_cache_queries`` / ``host_cache_hits`` (tokens after the device
         match / found on the host), ``demotions`` (pages device -> host), ``loads`` (pages host
@@ -366,7 +368,7 @@ class HostTier:
         s = self.cache.tier_stats()
         c = self.cache
         return {
-            "kv_cache_usage_perc": self.allocator.num_used / max(1, self.allocator.num_pages),
+            "kv_cache_usage_perc": kv_cache_usage(c),
             "prefix_cache_queries": c.hit_tokens + c.miss_tokens,
             "prefix_cache_hits": c.hit_tokens,
             "host_cache_queries": s["host_query_tokens"],

@@ -398,7 +398,8 @@ struct Plan {
 }
 
 /// Where the nodes a plan evicts go: dropped (with their pages in the extra spaces `others`),
-/// or demoted to the host tier (see `tier`).
+/// or demoted to the host tier (see `tier`). `reset` releases the tree's pages into the same
+/// spaces (the host tier's pages into its allocator).
 enum Sink<'a, 'o> {
     Drop(&'a mut Others<'o>),
     Demote(&'a mut PageAllocator),
@@ -998,18 +999,42 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         others: &mut Others<'_>,
     ) -> Result<(), RadixError> {
-        self.check_alloc(alloc)?;
-        self.check_others(others)?;
+        self.reset_into(alloc, &mut Sink::Drop(others))
+    }
+
+    /// The one body of `reset_with` and `reset_tiered`. `sink` names the spaces besides `alloc`
+    /// whose pages the tree holds: a hybrid cache's extra spaces (`Drop`) or the host tier's
+    /// allocator (`Demote`: host nodes' pages go back there). Every check runs, and the empty
+    /// cache is built, before any page is released: on error nothing changed.
+    fn reset_into(
+        &mut self,
+        alloc: &mut PageAllocator,
+        sink: &mut Sink<'_, '_>,
+    ) -> Result<(), RadixError> {
+        match sink {
+            Sink::Drop(others) => {
+                self.check_alloc(alloc)?;
+                self.check_others(others)?;
+            }
+            Sink::Demote(host) => self.check_host(alloc, host)?,
+        }
         self.check_unlocked()?;
+        let mut fresh = Self::new(alloc, self.page_size)?;
         for id in 0..self.nodes.len() as u32 {
             let n = self.node(id);
-            alloc.release_cached_all(n.pages());
-            if !n.extra.is_empty() {
+            if !n.live {
+                continue;
+            }
+            match sink {
+                Sink::Demote(host) if n.host => host.release_cached_all(n.pages()),
+                _ => alloc.release_cached_all(n.pages()),
+            }
+            if let (Sink::Drop(others), false) = (&mut *sink, n.extra.is_empty()) {
                 self.release_extra(id, others);
             }
         }
-        let mut fresh = Self::new(alloc, self.page_size)?;
         fresh.groups = self.groups.take();
+        fresh.tier = self.tier.as_ref().map(|t| t.after_reset());
         fresh.ret = self.ret.after_reset();
         fresh.events = self.events_reset();
         *self = fresh;

@@ -44,8 +44,7 @@ pub fn rollback_slots(
         return Err(BatchError::ZeroPageSize);
     }
     let b = seq.len();
-    let lens = [("accepted_lens", Some(accepted)), ("cached_lens", cached)];
-    for (what, v) in lens {
+    for (what, v) in [("accepted_lens", Some(accepted)), ("cached_lens", cached)] {
         if let Some(v) = v.filter(|v| v.len() != b) {
             return Err(BatchError::Length {
                 what,
@@ -54,14 +53,19 @@ pub fn rollback_slots(
             });
         }
     }
-    if table.len() != b * max_pages {
+    // (saturating: no product of real lengths overflows, and a saturated one mismatches)
+    let expected = b.saturating_mul(max_pages);
+    if table.len() != expected {
         return Err(BatchError::Length {
             what: "page_table",
-            expected: b * max_pages,
+            expected,
             got: table.len(),
         });
     }
-    let mut total = 0;
+    // One pass per request: its checks, then its entries to free (the ranges are computed once;
+    // on an error the partial list is dropped, and nothing else was touched).
+    let mut free = Vec::new();
+    let mut lens = Vec::with_capacity(b);
     for index in 0..b {
         let (s, a) = (seq[index], accepted[index]);
         let c = cached.map_or(0, |c| c[index]);
@@ -95,6 +99,7 @@ pub fn rollback_slots(
                 max_pages,
             });
         }
+        // (in range: `table` has `b * max_pages` entries and `hi <= max_pages`)
         let row = &table[index * max_pages..index * max_pages + hi];
         if let Some(j) = (lo..hi).find(|&j| row[j] <= PADDING_PAGE as i32) {
             return Err(BatchError::NoPageToFree {
@@ -103,18 +108,10 @@ pub fn rollback_slots(
                 page: row[j],
             });
         }
-        total += hi - lo;
+        free.extend_from_slice(&row[lo..hi]);
+        lens.push(a as i32); // (0 <= a <= s <= i32::MAX)
     }
-    let mut free = Vec::with_capacity(total);
-    for index in 0..b {
-        let (lo, hi) = (
-            pages_for(accepted[index], page_size),
-            pages_for(seq[index], page_size),
-        );
-        free.extend_from_slice(&table[index * max_pages + lo..index * max_pages + hi]);
-    }
-    // (checked above: accepted <= seq <= i32::MAX)
-    Ok((free, accepted.iter().map(|&a| a as i32).collect()))
+    Ok((free, lens))
 }
 
 #[cfg(test)]
@@ -183,6 +180,39 @@ mod tests {
         assert_eq!(
             rollback_slots(&t, 2, &[4, 1], &[2, 1], 0, None),
             Err(BatchError::ZeroPageSize)
+        );
+    }
+
+    #[test]
+    fn the_first_bad_request_is_named_and_nothing_is_returned() {
+        // Request 0 would free a padding entry, request 1 keeps more than it wrote: one pass
+        // checks request by request, so request 0's error comes first.
+        let t = [1, 0, 3, 4];
+        assert_eq!(
+            rollback_slots(&t, 2, &[4, 1], &[1, 2], 2, None),
+            Err(BatchError::NoPageToFree {
+                index: 0,
+                entry: 1,
+                page: 0
+            })
+        );
+        // A good request 0 before a bad request 1: still an error, no partial list.
+        assert_eq!(
+            rollback_slots(&[1, 2, 3, 4], 2, &[4, 1], &[1, 2], 2, None),
+            Err(BatchError::AcceptedBeyondSeq {
+                index: 1,
+                accepted: 2,
+                seq: 1
+            })
+        );
+        // An empty batch, and requests that keep everything: nothing to free.
+        assert_eq!(
+            rollback_slots(&[], 0, &[], &[], 4, None),
+            Ok((vec![], vec![]))
+        );
+        assert_eq!(
+            rollback_slots(&[1, 2, 3, 4], 2, &[3, 4], &[3, 4], 2, Some(&[2, 4])),
+            Ok((vec![], vec![3, 4]))
         );
     }
 }

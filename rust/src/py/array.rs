@@ -17,10 +17,9 @@ use super::error::{array_type_error, to_py};
 use crate::alloc::{self, PageId};
 
 /// An integer argument: a Python `int` or anything with `__index__` (numpy integers), but not a
-/// bool. Python's bool is an int subclass, and `alloc(True)` is a mistake, not one page; so is a
-/// bool tensor or array, whose `__index__` also gives 0 or 1. The message names the value (PyO3
-/// attaches the argument's name as a note). A value beyond int64 is kept as its text, so that
-/// [`count`] can refuse it naming the argument (not a bare `OverflowError`).
+/// bool (see [`int_arg`]). The message names the value (PyO3 attaches the argument's name as a
+/// note). A value beyond int64 is kept as its text, so that [`count`] can refuse it naming the
+/// argument (not a bare `OverflowError`).
 pub(crate) struct Int {
     pub(crate) value: i64,
     /// The decimal text of a value beyond int64 (`value` is then its sign: -1 or 1).
@@ -39,35 +38,66 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyBool>() {
-            let b: bool = obj.extract()?;
-            let v = if b { "True" } else { "False" };
-            return Err(PyTypeError::new_err(format!(
-                "expected an integer, got the bool `{v}`"
-            )));
-        }
-        if !obj.is_exact_instance_of::<PyInt>() {
-            if let Ok(d) = obj.getattr("dtype") {
-                let d = d.str()?.to_string();
-                if d == "bool" || d == "torch.bool" {
-                    return Err(PyTypeError::new_err(format!(
-                        "expected an integer, got a value of dtype `{d}`"
-                    )));
-                }
-            }
-        }
-        match obj.extract::<i64>() {
+        match int_arg::<i64>(&obj) {
             Ok(value) => Ok(Self { value, big: None }),
-            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
-                // (an int, or what `__index__` made of the value: its text names it)
-                let i = obj.py().get_type::<PyInt>().call1((obj,))?;
-                Ok(Self {
-                    value: if i.lt(0)? { -1 } else { 1 },
-                    big: Some(i.str()?.to_string()),
-                })
-            }
-            Err(e) => Err(e),
+            Err(BadInt::Bool(what)) => Err(PyTypeError::new_err(format!(
+                "expected an integer, got {what}"
+            ))),
+            Err(BadInt::Range(text)) => Ok(Self {
+                value: if text.starts_with('-') { -1 } else { 1 },
+                big: Some(text),
+            }),
+            Err(BadInt::NotInt(e)) => Err(e),
         }
+    }
+}
+
+/// Why an argument is not an integer of the type asked for (see [`int_arg`]).
+pub(crate) enum BadInt {
+    /// A bool, or a value of bool dtype (numpy / torch): its description, "the bool `True`" or
+    /// "a value of dtype `bool`".
+    Bool(String),
+    /// An integer outside the type's range: its decimal text (as `str(int(obj))` prints it).
+    Range(String),
+    /// Not an integer (no `__index__`): PyO3's extraction error.
+    NotInt(PyErr),
+}
+
+/// An integer argument as `T` by PyO3's extraction (a Python `int` or anything with
+/// `__index__`), refusing bools: Python's bool is an int subclass, and `alloc(True)` is a
+/// mistake, not one page; so is a bool tensor or array, whose `__index__` also gives 0 or 1.
+/// The one integer extraction of the bindings: [`Int`], `u64_arg` (hash seeds) and `priority=`
+/// turn its [`BadInt`] into their messages, each naming the value.
+pub(crate) fn int_arg<'py, T>(obj: &Bound<'py, PyAny>) -> Result<T, BadInt>
+where
+    T: for<'a> FromPyObject<'a, 'py, Error = PyErr>,
+{
+    if obj.is_instance_of::<PyBool>() {
+        let v = obj.is_truthy().map_err(BadInt::NotInt)?;
+        let v = if v { "True" } else { "False" };
+        return Err(BadInt::Bool(format!("the bool `{v}`")));
+    }
+    if !obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(d) = obj.getattr("dtype") {
+            let d = d.str().map_err(BadInt::NotInt)?.to_string();
+            if d == "bool" || d == "torch.bool" {
+                return Err(BadInt::Bool(format!("a value of dtype `{d}`")));
+            }
+        }
+    }
+    match obj.extract::<T>() {
+        Ok(v) => Ok(v),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+            // (an int, or what `__index__` made of the value: its text names it)
+            let text = obj
+                .py()
+                .get_type::<PyInt>()
+                .call1((obj,))
+                .and_then(|i| i.str())
+                .map_err(BadInt::NotInt)?;
+            Err(BadInt::Range(text.to_string()))
+        }
+        Err(e) => Err(BadInt::NotInt(e)),
     }
 }
 

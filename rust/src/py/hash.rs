@@ -4,24 +4,23 @@ use numpy::PyArray1;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::array::{count, ints, Int};
+use super::array::{count, int_arg, ints, BadInt, Int};
 use super::error::to_py;
 use super::namespace::namespace as to_namespace;
 use crate::hash;
 
 /// A 64-bit unsigned argument (`seed`, `parent`): an int (or `__index__`) in `0 .. 2**64 - 1`,
-/// not a bool.
+/// not a bool ([`int_arg`]). ValueError naming `what` and the value.
 pub(crate) fn u64_arg(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if obj.is_instance_of::<pyo3::types::PyBool>() {
-        let r = obj.repr()?;
-        return Err(PyValueError::new_err(format!(
-            "`{what}` must be an int in 0 .. 2**64 - 1, got {r}"
-        )));
-    }
-    obj.extract::<u64>().map_err(|_| {
+    int_arg::<u64>(obj).map_err(|e| {
+        let got = match e {
+            BadInt::Range(text) => text,
+            BadInt::Bool(_) | BadInt::NotInt(_) => {
+                obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            }
+        };
         PyValueError::new_err(format!(
-            "`{what}` must be an int in 0 .. 2**64 - 1, got {}",
-            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+            "`{what}` must be an int in 0 .. 2**64 - 1, got {got}"
         ))
     })
 }

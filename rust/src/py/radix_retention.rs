@@ -7,11 +7,12 @@
 
 use std::time::Instant;
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::super::alloc::with_lock;
+use super::super::array::{int_arg, BadInt};
 use super::super::error::{to_py, InvalidArgumentError};
 use super::{PyRadixCache, PyRadixNode};
 use crate::radix::{Retain, Seconds, Stats};
@@ -64,28 +65,20 @@ pub(super) fn retain(
 ) -> PyResult<Retain> {
     let p = match priority.filter(|p| !p.is_none()) {
         None => 0,
-        // (a bool is an int in Python, but `priority=True` is a mistake, not priority 1)
-        Some(p) if p.is_instance_of::<pyo3::types::PyBool>() => {
-            return Err(PyTypeError::new_err(format!(
-                "`priority` must be an int 0..=100, got the bool `{}`",
+        // (the range 0..=100 is the core's check: `Retain::new`)
+        Some(p) => int_arg::<i64>(p).map_err(|e| match e {
+            // (a bool is an int in Python, but `priority=True` is a mistake, not priority 1)
+            BadInt::Bool(what) => {
+                PyTypeError::new_err(format!("`priority` must be an int 0..=100, got {what}"))
+            }
+            BadInt::Range(text) => InvalidArgumentError::new_err(format!(
+                "`priority` = {text} is outside 0..=100 (higher is kept longer)"
+            )),
+            BadInt::NotInt(_) => PyTypeError::new_err(format!(
+                "`priority` must be an int 0..=100, got `{}`",
                 p.repr().map(|s| s.to_string()).unwrap_or_default()
-            )))
-        }
-        Some(p) => match p.extract::<i64>() {
-            Ok(v) => v,
-            Err(e) if e.is_instance_of::<PyOverflowError>(p.py()) => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "`priority` = {} is outside 0..=100 (higher is kept longer)",
-                    p.str().map(|s| s.to_string()).unwrap_or_default()
-                )))
-            }
-            Err(_) => {
-                return Err(PyTypeError::new_err(format!(
-                    "`priority` must be an int 0..=100, got `{}`",
-                    p.repr().map(|s| s.to_string()).unwrap_or_default()
-                )))
-            }
-        },
+            )),
+        })?,
     };
     Retain::new(p, retention_s).map_err(to_py)
 }

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::super::alloc::{guard, hand_out, try_guard, PyPageAllocator, Shared, DETACH_MIN};
-use super::super::array::{detachable, ints};
+use super::super::array::ints;
 use super::super::error::to_py;
 use super::{namespace, PyRadixCache, PyRadixNode};
 use crate::alloc::{AllocError, PageAllocator};
@@ -148,11 +148,14 @@ impl PyRadixCache {
         pages: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let arr = ints(pages, "pages")?;
-        let pages = arr.pages("pages")?;
-        let long = pages.len() >= DETACH_MIN;
-        let pages = detachable(pages, long)?;
+        let view = arr.view("pages")?;
         let h = node.0;
-        self.tiered(py, long, |c, a, host| c.load_back(a, host, h, &pages))
+        // (copied, narrowed, checked and applied with the GIL released when long: the closure
+        // touches no Python object, only the numpy buffer the view borrows; see `detach.rs`)
+        self.tiered(py, view.long(), |c, a, host| {
+            let pages = view.pages_stable()?;
+            c.load_back(a, host, h, &pages)
+        })
     }
 
     pub(super) fn demotions<'py>(&self, py: Python<'py>) -> PyResult<Demotions<'py>> {

@@ -85,6 +85,11 @@ impl Tier {
             stats: TierStats::default(),
         })
     }
+
+    /// The tier of a reset cache: empty, counters zeroed, over the same host allocator.
+    pub(super) fn after_reset(&self) -> Box<Self> {
+        Self::new(self.host_id)
+    }
 }
 
 /// Result of [`RadixCache::match_prefix_host`].
@@ -176,7 +181,11 @@ impl RadixCache {
         }
     }
 
-    fn check_host(&self, alloc: &PageAllocator, host: &PageAllocator) -> Result<(), RadixError> {
+    pub(super) fn check_host(
+        &self,
+        alloc: &PageAllocator,
+        host: &PageAllocator,
+    ) -> Result<(), RadixError> {
         self.check_alloc(alloc)?;
         match &self.tier {
             None => Err(RadixError::HostAllocator { has_tier: false }),

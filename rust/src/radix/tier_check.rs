@@ -1,6 +1,6 @@
 //! The host tier's whole-cache operations: `reset_tiered` and the invariant checks of both tiers.
 
-use super::Tier;
+use super::Sink;
 use crate::alloc::PageAllocator;
 use crate::radix::{RadixCache, RadixError};
 
@@ -15,23 +15,7 @@ impl RadixCache {
         alloc: &mut PageAllocator,
         host: &mut PageAllocator,
     ) -> Result<(), RadixError> {
-        self.check_host(alloc, host)?;
-        self.check_unlocked()?;
-        for n in self.nodes.iter().filter(|n| n.live) {
-            if n.host {
-                host.release_cached_all(n.pages());
-            } else {
-                alloc.release_cached_all(n.pages());
-            }
-        }
-        let host_id = self.tier.as_ref().map_or(0, |t| t.host_id);
-        let ret = self.ret.after_reset();
-        let events = self.events_reset();
-        *self = Self::new(alloc, self.page_size)?;
-        self.tier = Some(Tier::new(host_id));
-        self.ret = ret;
-        self.events = events;
-        Ok(())
+        self.reset_into(alloc, &mut Sink::Demote(host))
     }
 
     /// Checks the host tier's invariants (and the device tier's, as `check_invariants`).

@@ -145,3 +145,60 @@ fn namespaces_stay_apart_on_the_host() {
     c.reset_tiered(&mut a, &mut h).unwrap();
     assert_eq!((c.num_nodes(), h.num_used()), (0, 0));
 }
+
+#[test]
+fn reset_refusals_change_nothing_and_reset_keeps_the_tier() {
+    let (mut a, mut h, mut c) = setup(4, 8);
+    let ns = Namespace::none();
+    put(&mut a, &mut h, &mut c, &[1, 2, 3]);
+    put(&mut a, &mut h, &mut c, &[7, 8, 9]); // demotes [1, 2, 3]
+    c.take_demotions();
+    let before = (
+        a.ref_counts(),
+        h.ref_counts(),
+        c.total_size(),
+        c.host_size(),
+    );
+    let same = |a: &PageAllocator, h: &PageAllocator, c: &RadixCache| {
+        (
+            a.ref_counts(),
+            h.ref_counts(),
+            c.total_size(),
+            c.host_size(),
+        ) == before
+    };
+    // The plain entry point refuses a tiered cache, another host allocator is refused, and a
+    // lock refuses the reset: each before any page is released.
+    assert!(matches!(
+        c.reset_with(&mut a, &mut Others::default()),
+        Err(RadixError::HostAllocator { has_tier: true })
+    ));
+    let mut other = PageAllocator::new(8, 1).unwrap();
+    assert!(matches!(
+        c.reset_tiered(&mut a, &mut other),
+        Err(RadixError::WrongAllocator)
+    ));
+    let m = c.match_prefix(&ns, &[7, 8, 9]);
+    c.lock(m.node).unwrap();
+    assert!(matches!(
+        c.reset_tiered(&mut a, &mut h),
+        Err(RadixError::Locked { locks: 1, .. })
+    ));
+    assert!(same(&a, &h, &c));
+    c.unlock(m.node).unwrap();
+    c.check_invariants_tiered(&a, &h).unwrap();
+    // Reset: both tiers' pages released, counters zeroed, the tier still demotes afterwards.
+    c.reset_tiered(&mut a, &mut h).unwrap();
+    assert_eq!((a.num_used(), h.num_used(), c.host_size()), (0, 0, 0));
+    assert_eq!(c.tier_stats(), TierStats::default());
+    put(&mut a, &mut h, &mut c, &[4, 5, 6]);
+    put(&mut a, &mut h, &mut c, &[1, 2, 3]);
+    assert_eq!((c.take_demotions().len(), c.host_size()), (3, 3));
+    c.check_invariants_tiered(&a, &h).unwrap();
+    // A cache without a tier refuses the tiered reset.
+    let mut plain = RadixCache::new(&a, 1).unwrap();
+    assert!(matches!(
+        plain.reset_tiered(&mut a, &mut h),
+        Err(RadixError::HostAllocator { has_tier: false })
+    ));
+}
