@@ -193,3 +193,27 @@ def test_small_decode_gpu_deepseek(dtype, heads, page):
         out, ref, plan = _run(c, heads, "cuda", **kw)
         assert plan.kernel == "mla_small"
         assert rel_err(out, ref) < TOL[dtype], kw
+
+
+@interpret
+def test_sweep_script_quick(tmp_path):
+    """benches/attention/sweep_mla_small.py --quick end to end (interpreted, tiny latent): a
+    record per (variant, page) with its error check, the table, a warm-up worker's results."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches", "attention"))
+    import sweep_mla_small
+
+    argv = ["--quick", "--out", str(tmp_path), "--dtypes", "nvfp4", "--models", "kimi-k2-tp8",
+            "--variants", "old,small,32:4:1:1:2", "--warm-procs", "0"]  # fmt: skip
+    recs = sweep_mla_small.main(argv)
+    assert [(r["variant"], r["page"]) for r in recs] == [
+        (v, p) for v in ("old", "small", "32:4:1:1:2") for p in (16, 64)
+    ]
+    assert [r["kernel"] for r in recs[::2]] == ["mla_triton", "mla_small", "mla_small"]
+    assert recs[-1]["splits"] == 2 and recs[-1]["prefetch"] is True
+    assert all(r["err_ok"] and r["rel_err"] < TOL["nvfp4"] for r in recs)
+    with open(tmp_path / "sweep_mla_small.json") as f:
+        assert len(json.load(f)["records"]) == 6
+    assert (tmp_path / "sweep_mla_small.md").read_text().count("| kimi-k2-tp8 | nvfp4 |") == 2

@@ -24,6 +24,9 @@ against ``reference_mla_decode`` (torch: dequantize, fp32 attention); ``err_ok``
         python3 benches/attention/sweep_mla_small.py --out $OUT --budget-s 200
     python3 benches/attention/sweep_mla_small.py --quick --out DIR   # CPU smoke (interpreter)
 
+Output: one line per record, then a table (rows model x dtype x page, a column per variant:
+ms and fraction of the copy bandwidth) and the fastest variant per row; ``--warm-procs``
+workers compile and check the variants in parallel first (logs ``<out>/warm_<i>.log``).
 ``--budget-s`` (default 200) is a hard limit on starting points: the run stops, keeps what it
 measured (``<out>/sweep_mla_small.json`` is rewritten after every record) and prints the table.
 """
@@ -166,22 +169,38 @@ def point(bench, view, model, heads, rank, b, n, page, knobs, vname) -> dict:
     )  # fmt: skip
 
 
+def short(r) -> str:
+    """One line per record (the JSON has every field)."""
+    if "time_ms" not in r:
+        return f"{r.get('dtype')} {r.get('model')} {r.get('variant')}: error {r.get('error')}"
+    frac = f" {r['copy_frac']:.0%}" if r.get("copy_frac") else ""
+    return (
+        f"{r['dtype']} {r['model']} p{r['page']} {r['variant']} s={r['splits']}: "
+        f"{r['time_ms']:.4f} ms {r['latent_TBps']:.2f} TB/s{frac} err {r.get('rel_err', 0):.1e}"
+    )
+
+
 def table(records, copy) -> str:
-    head = "| model | dtype | page | variant | kernel | splits | ms | TB/s | copy | rel err |"
-    rows = [head, "|" + "---|" * 10]
+    """Rows (model, dtype, page), one column per variant: ms and the fraction of the copy
+    bandwidth (``!`` marks an error above the check's limit)."""
+    variants, rows = [], {}
     for r in records:
         if "time_ms" not in r:
-            rows.append(f"| {r.get('model')} | {r.get('dtype')} | | {r.get('variant')} | "
-                        f"error: {r.get('error', '')[:60]} | | | | | |")  # fmt: skip
             continue
-        frac = f"{r['copy_frac']:.0%}" if r.get("copy_frac") is not None else "-"
-        err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        rows.append(
-            f"| {r['model']} | {r['dtype']} | {r['page']} | {r['variant']} | {r['kernel']} | "
-            f"{r['splits']} | {r['time_ms']:.4f} | {r['latent_TBps']:.2f} | {frac} | {err} |"
-        )
-    cap = f"copy bandwidth {copy:.2f} TB/s (read + write)\n\n" if copy else ""
-    return cap + "\n".join(rows) + "\n"
+        if r["variant"] not in variants:
+            variants.append(r["variant"])
+        frac = f" {r['copy_frac']:.0%}" if r.get("copy_frac") else ""
+        bad = "" if r.get("err_ok", True) else "!"
+        cell = f"{r['time_ms']:.4f}{frac}{bad}"
+        rows.setdefault((r["model"], r["dtype"], r["page"]), {})[r["variant"]] = cell
+    head = "| model | dtype | page | " + " | ".join(variants) + " |"
+    lines = [head, "|" + "---|" * (3 + len(variants))]
+    for (model, dtype, page), cells in rows.items():
+        vals = " | ".join(cells.get(v, "-") for v in variants)
+        lines.append(f"| {model} | {dtype} | {page} | {vals} |")
+    cap = f"ms (fraction of the {copy:.2f} TB/s copy bandwidth)\n\n" if copy else "ms\n\n"
+    errs = [short(r) for r in records if "time_ms" not in r]
+    return cap + "\n".join(lines) + "\n" + "".join(e + "\n" for e in errs)
 
 
 def best_lines(records) -> list[str]:
@@ -253,10 +272,10 @@ def run_warm(args, t0) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--out", args.out, "--models",
             args.models, "--dtypes", args.dtypes, "--shape", args.shape, "--variants",
             args.variants] + (["--quick"] if args.quick else [])  # fmt: skip
-    procs = [
-        subprocess.Popen([*argv, "--warm", f"{i}/{nproc}"], stdout=subprocess.DEVNULL)
-        for i in range(nproc)
-    ]
+    procs = []
+    for i in range(nproc):
+        with open(os.path.join(args.out, f"warm_{i}.log"), "w") as f:
+            procs.append(subprocess.Popen([*argv, "--warm", f"{i}/{nproc}"], stdout=f, stderr=f))
     deadline = t0 + args.budget_s * args.warm_share
     try:
         for p in procs:
@@ -341,7 +360,7 @@ def main(argv=None):
             records.append(rec)
             with open(path, "w") as f:
                 json.dump({**meta, "records": records}, f, indent=1)
-            log(json.dumps(rec))
+            log(short(rec))
 
         stopped = sweep(args, bench, (b, n, rank, d), pages, checked, save, t0)
     except BudgetSpent:
