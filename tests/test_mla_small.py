@@ -83,6 +83,8 @@ def test_knobs_and_workspace():
     )
     assert p.part_out is None and p.part_lse is None
     assert (p.block_n, p.num_warps, p.num_stages, p.prefetch) == mla_small.DEFAULT_TILE
+    p = mla_small.plan_mla_small_decode(c.view, 20, c.page_table, c.seq_lens, kv_lora_rank=32)
+    assert (p.block_h, p.num_warps) == (32, mla_small.WIDE_WARPS)  # (a 512 x 32 accumulator)
     assert p.asm  # (a pool-like contiguous FP4 cache: the word decode)
 
 

@@ -31,9 +31,10 @@ SMEM_PER_SM = 227 * 1024  # bytes of shared memory per multiprocessor for blocks
 
 
 def compile_sm90(dtype: str, block_n: int, num_warps: int, num_stages: int, prefetch: bool,
-                 final: bool = False):  # fmt: skip
+                 final: bool = False, hp: int = 16):  # fmt: skip
     """``triton.compile`` of ``mla_small_decode_kernel`` for sm_90 with the launcher's
-    constants for ``dtype`` (16 heads, pointers and row strides 16-divisible as in a pool)."""
+    constants for ``dtype`` (``hp`` padded heads, pointers and row strides 16-divisible as in
+    a pool)."""
     import triton.language as tl
     from kvpool.triton_kernels.mla_small import mla_small_decode_kernel as fn
     from triton.backends.compiler import GPUTarget
@@ -49,7 +50,7 @@ def compile_sm90(dtype: str, block_n: int, num_warps: int, num_stages: int, pref
     }[dtype]
     ptrs = dict(Q="*bf16", KV="*" + kv, KBS="*u8", KSC="*fp32", PT="*i32", SEQ="*i32",
                 OUT="*bf16", PO="*fp32", PL="*fp32")  # fmt: skip
-    consts = dict(DL=512, DR=64, HP=16, BLOCK_N=block_n, FINAL=final, FMT=fmt, CDT=cdt,
+    consts = dict(DL=512, DR=64, HP=hp, BLOCK_N=block_n, FINAL=final, FMT=fmt, CDT=cdt,
                   IS_F32=False, HAS_SCALE=has_scale, FP4_MUL=64.0 if fmt == 2 else 1.0,
                   ASM=asm, PREFETCH=prefetch)  # fmt: skip
     aligned = {"stride_qb", "stride_qh", "stride_kr", "stride_ob", "stride_oh", *ptrs}
@@ -90,6 +91,15 @@ def test_default_tile_fits_two_programs_per_sm(dtype, final):
     assert 2 * k.metadata.shared <= SMEM_PER_SM, k.metadata.shared
     assert 2 * nw * 32 * (-(-r["REG"] // 8) * 8) <= 65536, r  # (registers per warp: x 8)
     assert "wgmma.mma_async" in k.asm["ptx"]  # (O^T = K^T P^T: the latent on M)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4", "fp4_mx_block16"])
+def test_default_tile_at_32_heads_has_no_spills(dtype):
+    """17..32 heads (DeepSeek-V3 at TP 4) pad to 32: the planner's 8 warps hold the doubled
+    accumulator without spills."""
+    bn, _, ns, pf = mla_small.DEFAULT_TILE
+    r = resources(compile_sm90(dtype, bn, mla_small.WIDE_WARPS, ns, pf, hp=32))
+    assert r["STACK"] == 0 and r["LOCAL"] == 0, r
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])

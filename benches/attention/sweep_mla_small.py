@@ -49,7 +49,8 @@ import bench_models as bm  # noqa: E402  (random caches, page tables, the timing
 from kvpool import attention  # noqa: E402
 from kvpool.attention import mla_small  # noqa: E402
 
-MODELS = {"deepseek-v3-tp8": 16, "kimi-k2-tp8": 8}  # heads per rank at TP 8
+MODELS = {"deepseek-v3-tp8": 16, "kimi-k2-tp8": 8, "deepseek-v3-tp4": 32}  # heads per rank
+DEFAULT_MODELS = "deepseek-v3-tp8,kimi-k2-tp8"  # (TP 4: --models deepseek-v3-tp4)
 DTYPES = ("fp8_e4m3", "nvfp4", "bf16")  # (the target first: a cut run keeps it)
 #: the default plans, then mla_small tiles compiled for sm_90 without spills (see
 #: attention/mla_small.py DEFAULT_TILE), then split counts around the default ones
@@ -304,7 +305,7 @@ def main(argv=None):
     ap.add_argument("--out", default=".")
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=DEFAULT_MODELS)
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--pages", default="16,64")
     ap.add_argument("--shape", default="64x8192")

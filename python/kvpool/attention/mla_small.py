@@ -60,8 +60,12 @@ KERNELS = ("mla_triton", "mla_small")
 #: for sm_90 with Triton 3.6 on the CPU at DeepSeek's latent (512 + 64) and 16 heads: 180 (bf16),
 #: 188 (fp8_e4m3), 240 (nvfp4), 255 (fp4_mx_block16) registers a thread without spills and
 #: 55-69 KiB of shared memory, so two programs a multiprocessor; 64-token tiles at 4 warps
-#: spill (fp8: 960 bytes a thread). Not yet measured on a GPU.
+#: spill (fp8: 960 bytes a thread). Heads padded to 32 or 64 double or quadruple the ``O^T``
+#: accumulator: 4 warps spill there (nvfp4: 144 bytes, fp4_mx_block16: 368 at 32), so those
+#: plans take :data:`WIDE_WARPS` (178-254 registers, no spills at 32 heads). Not yet measured
+#: on a GPU.
 DEFAULT_TILE = (32, 4, 3, False)
+WIDE_WARPS = 8
 
 
 @dataclass
@@ -133,6 +137,7 @@ def plan_small(
     bn0, nw0, ns0, pf0 = DEFAULT_TILE
     bn = _check_knob("block_n", bn0 if block_n is None else block_n, 16, 256, pow2=True)
     _check_fp4_tile(view, bn)
+    nw0 = nw0 if bh <= 16 else WIDE_WARPS
     nw = _check_knob("num_warps", nw0 if num_warps is None else num_warps, 1, 16, pow2=True)
     ns = _check_knob("num_stages", ns0 if num_stages is None else num_stages, 1, 8)
     if prefetch is not None and not isinstance(prefetch, bool):
@@ -180,10 +185,10 @@ def plan_mla_small_decode(
     Knobs: ``block_h`` the heads' padding (a power of two in 8..64, >= the heads; default the
     heads' power of two, at least 16), ``block_n`` (a power of two in 16..256; >= 32 for FP4 on
     the GPU), ``num_warps`` (1..16), ``num_stages`` (1..8), ``prefetch``; defaults
-    :data:`DEFAULT_TILE`. ``num_splits`` 1..1,024 (default: the wave model of
-    :func:`~kvpool.attention.splits.default_splits` over ``B`` programs a split, two a
-    multiprocessor for 32-token 4-warp programs, else one). ``kv_lora_rank``, ``max_seq_len``
-    and ``asm`` as in ``plan_mla_decode``.
+    :data:`DEFAULT_TILE` (:data:`WIDE_WARPS` warps when ``block_h`` > 16). ``num_splits``
+    1..1,024 (default: the wave model of :func:`~kvpool.attention.splits.default_splits` over
+    ``B`` programs a split, two a multiprocessor for 32-token 4-warp programs, else one).
+    ``kv_lora_rank``, ``max_seq_len`` and ``asm`` as in ``plan_mla_decode``.
 
     Raises
     ------
