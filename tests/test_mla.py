@@ -192,6 +192,10 @@ def test_plans_name_the_kernel():
     """Every plan names the kernel that runs (a slow fallback is never silent)."""
     c = Latent("fp8_e4m3", [40, 3])
     p = attention.plan_decode(c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32)
+    assert p.kernel == "mla_small" and p.block_h == 16  # <= 32 heads: tokens on M
+    p = attention.plan_mla_decode(
+        c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32, kernel="mla_triton"
+    )
     assert p.kernel == "mla_triton" and p.block_h == 16
     cu = torch.tensor([0, 2, 3], dtype=torch.int32)
     pe = attention.plan_extend(c.view, 8, cu, c.page_table, c.seq_lens, kv_lora_rank=32)

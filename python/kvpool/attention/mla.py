@@ -95,7 +95,8 @@ class MLADecodePlan:
     part_out, part_lse : torch.Tensor or None
         fp32 split workspaces ``[B, H, num_splits, Dl]`` / ``[B, H, num_splits]``.
     kernel : str
-        The kernel variant that runs: ``"mla_triton"``.
+        The kernel variant that runs: ``"mla_triton"`` (or ``"mla_small"``, a
+        :class:`kvpool.attention.mla_small.MLASmallDecodePlan`).
     """
 
     page_table: torch.Tensor
@@ -263,8 +264,14 @@ def plan_mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     asm: bool | None = None,
+    kernel: str | None = None,
 ) -> MLADecodePlan:
     """Plan :func:`mla_decode` for one batch (any MLA layer of the pool may use it).
+
+    ``kernel``: ``"mla_triton"`` (this module's head-block kernel) or ``"mla_small"``
+    (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there). Default:
+    ``mla_small`` for at most 32 heads per rank (DeepSeek-V3 and Kimi-K2 at TP 8) unless
+    ``KVPOOL_MLA_SMALL=0``; the plan's ``kernel`` names the one that runs.
 
     Defaults: ``block_h`` the heads' power of two in 16..64 (64 for 128 heads: two programs
     per request and split), ``block_n`` 64 tokens with 64-head programs and 32 below (H200,
@@ -290,6 +297,13 @@ def plan_mla_decode(
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    from kvpool.attention import mla_small
+
+    if mla_small.routes_small(h, kernel):  # few heads: tokens on the MMA's M
+        return mla_small.plan_small(
+            view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_h=block_h,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm,
+        )  # fmt: skip
     bh = _block_h(h, block_h)
     bn_default = 64 if bh >= 64 else 32
     block_n = _check_knob("block_n", bn_default if block_n is None else block_n, 16, pow2=True)
@@ -468,6 +482,11 @@ def mla_decode(
     s = plan.num_splits
     if s > 1 and (plan.part_out is None or plan.part_out.device != dev):
         raise ValueError(f"`plan` has no split workspace on {dev}")
+
+    if plan.kernel == "mla_small":
+        from kvpool.attention.mla_small import launch_small
+
+        return launch_small(view, q, page_table, seq_lens, plan, out, scale)
 
     from kvpool.triton_kernels.mla import mla_decode_kernel
 
