@@ -310,6 +310,7 @@ class Llama:
         *,
         dtype: str | None = None,
         device: str | torch.device = "cpu",
+        compile: bool = False,
     ) -> Llama:
         """Load a GGUF file or a Hugging Face model directory.
 
@@ -323,6 +324,8 @@ class Llama:
             ``torch_dtype`` for a directory.
         device : str or torch.device
             Where the weights go.
+        compile : bool
+            :meth:`compile` the per-layer pieces.
 
         Raises
         ------
@@ -345,7 +348,7 @@ class Llama:
             weights = {}
             for f in files:
                 weights.update(load_file(f))
-        return cls(config, weights, spec, device)
+        return cls(config, weights, spec, device, compile=compile)
 
     # ------------------------------------------------------------------ pieces
     def rope(self, positions: torch.Tensor) -> Rope:
