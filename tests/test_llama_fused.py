@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvpool.config import ModelSpec
-from kvpool.llama import Llama, Step, _rms_norm
+from kvpool.llama import Llama, Step
+from kvpool.llama_ops import rms_norm
 from llama_fixtures import EXAMPLES, TINY, tiny_weights
 
 hf = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -54,7 +55,7 @@ def test_rms_norm_is_hf_llama_rms_norm_bit_for_bit(dtype, hidden):
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=g))
         want = norm(x)
-    got = _rms_norm(x, norm.weight.detach(), 1e-5)
+    got = rms_norm(x, norm.weight.detach(), 1e-5)
     assert got.dtype == dt and torch.equal(got, want)
 
 
@@ -64,7 +65,7 @@ def test_rms_norm_with_weight_inside_differs_from_hf_in_bf16():
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(64, 576, generator=g) * 3).bfloat16()
     w = (1 + 0.1 * torch.randn(576, generator=g)).bfloat16()
-    hf_way = _rms_norm(x, w, 1e-5)
+    hf_way = rms_norm(x, w, 1e-5)
     inside = F.rms_norm(x, (576,), w, 1e-5)
     differ = (hf_way != inside).float().mean().item()
     assert 0.05 < differ < 0.5
@@ -255,7 +256,7 @@ def test_rms_norm_on_cuda_within_one_ulp_of_hf_gpu():
         with torch.no_grad():
             norm.weight.copy_(w)
             want = norm(x)
-        got = _rms_norm(x, w, 1e-5)
+        got = rms_norm(x, w, 1e-5)
         ulp = 2.0 ** (torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
         assert ((got.float() - want.float()).abs() <= ulp).all()
         assert (got == want).float().mean().item() > 0.99

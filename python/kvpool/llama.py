@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from kvpool import llama_ops as ops
 from kvpool._core import ModelConfigError
 from kvpool.config import ModelSpec
+from kvpool.llama_ops import Rope
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
@@ -132,82 +134,6 @@ class Step:
             cu_seqlens_q=torch.from_numpy(cu),
         )
         return step.to(device) if torch.device(device).type != "cpu" else step
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE factors of one step's positions, made once (:meth:`Llama.rope`) for every layer.
-
-    Attributes
-    ----------
-    cos : torch.Tensor
-        ``[T, 1, head_dim]`` compute dtype: ``cos(position * inv_freq)``, both halves.
-    sin : torch.Tensor
-        ``[T, 1, head_dim]`` compute dtype: ``sin(position * inv_freq)``, the first half negated
-        (``rotate_half(x) * sin`` is then exactly ``swap_halves(x) * sin_signed``: negation is
-        exact in every float format).
-    """
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm: normalise in float32, cast to ``x``'s dtype, then scale.
-
-    ``F.rms_norm`` without a weight does the first two steps (one fused kernel on CUDA, bit for
-    bit the float32 formula on CPU); the weight is applied after the cast, as HF does.
-    ``F.rms_norm(x, shape, w)`` would scale in float32 before the cast: in bf16/fp16 a quarter
-    of the elements then differ by one unit in the last place from HF (tests/test_llama_fused).
-    """
-    return F.rms_norm(x, (x.shape[-1],), None, eps).mul_(w)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, H, D]`` (any strides) rotated by :class:`Rope` factors ``[T, 1, D]``.
-
-    HF's ``x * cos + rotate_half(x) * sin`` with the same roundings, in four kernels (the
-    halves' swap, two products, the sum) instead of six.
-    """
-    half = x.shape[-1] // 2
-    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [b, a]: a new tensor
-    return (x * cos).add_(swapped.mul_(sin))
-
-
-def _pre_layer(
-    h: torch.Tensor, w_norm: torch.Tensor, w_qkv: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, eps: float, hq: int, hkv: int, d: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Norm, fused QKV projection, RoPE of q and k in one go.
-
-    q and k are views of one ``[T, hq + hkv, D]`` tensor, v of the projection: the attention
-    kernels and ``pool.write`` take strided rows.
-    """
-    qkv = _rms_norm(h, w_norm, eps) @ w_qkv.t()
-    t, nqk = qkv.shape[0], (hq + hkv) * d
-    qk = _apply_rope(qkv[:, :nqk].view(t, hq + hkv, d), cos, sin)
-    return qk[:, :hq], qk[:, hq:], qkv[:, nqk:].view(t, hkv, d)
-
-
-def _post_layer(
-    h: torch.Tensor, attn: torch.Tensor, w_o: torch.Tensor, w_norm: torch.Tensor,
-    w_gate_up: torch.Tensor, w_down: torch.Tensor, eps: float, inplace: bool,
-) -> torch.Tensor:  # fmt: skip
-    """o_proj + residual, norm, SwiGLU MLP + residual.
-
-    ``inplace`` (eager): both residual adds are the matmuls' own accumulation into ``h``
-    (``addmm_``: one kernel each, the sum rounded once instead of the product and the sum each);
-    compiled: functional, the compiler fuses the adds into the next kernels.
-    """
-    o = attn.reshape(h.shape[0], -1).to(h.dtype)
-    h = h.addmm_(o, w_o.t()) if inplace else h + o @ w_o.t()
-    gate, up = (_rms_norm(h, w_norm, eps) @ w_gate_up.t()).chunk(2, dim=-1)
-    act = F.silu(gate).mul_(up)
-    return h.addmm_(act, w_down.t()) if inplace else h + act @ w_down.t()
-
-
-#: torch.compile modes that capture CUDA graphs themselves (not inside DecodeGraph's capture).
-_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class Llama:
@@ -369,7 +295,7 @@ class Llama:
         ``positions``: ``[T]`` int, or their :meth:`rope` factors.
         """
         rope = positions if isinstance(positions, Rope) else self.rope(positions)
-        return _apply_rope(x, rope.cos, rope.sin)
+        return ops.apply_rope(x, rope.cos, rope.sin)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` hidden states (compute dtype) of ``[T]`` int64 token ids."""
@@ -389,7 +315,7 @@ class Llama:
         rope = positions if isinstance(positions, Rope) else self.rope(positions)
         w = self._layer_w[i]
         if self.compiled:
-            _mark_tokens(h, rope.cos, rope.sin)
+            ops.mark_tokens(h, rope.cos, rope.sin)
         return self._pre(h, w[0], w[1], rope.cos, rope.sin)
 
     def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -401,7 +327,7 @@ class Llama:
         """
         w = self._layer_w[i]
         if self.compiled:
-            _mark_tokens(h, attn)
+            ops.mark_tokens(h, attn)
         return self._post(h, attn, w[2], w[3], w[4], w[5])
 
     def compile(self, enabled: bool = True, *, mode: str | None = None, **options: Any) -> Llama:
@@ -435,30 +361,35 @@ class Llama:
         """
         eps, hq, hkv, d = self.eps, self.hq, self.hkv, self.d
         if not enabled:
-            self._pre = functools.partial(_pre_layer, eps=eps, hq=hq, hkv=hkv, d=d)
-            self._post = functools.partial(_post_layer, eps=eps, inplace=True)
+            self._pre = functools.partial(ops.pre_layer, eps=eps, hq=hq, hkv=hkv, d=d)
+            self._post = functools.partial(ops.post_layer, eps=eps, inplace=True)
             self.compiled = False
             return self
-        if mode in _CUDAGRAPH_MODES:
+        if mode in ops.CUDAGRAPH_MODES:
             raise ValueError(
                 f"compile mode {mode!r} captures CUDA graphs of its own, which cannot nest in "
                 "DecodeGraph's capture; use the default mode or 'max-autotune-no-cudagraphs'"
             )
 
-        def pre(h, w_norm, w_qkv, cos, sin):
-            return _pre_layer(h, w_norm, w_qkv, cos, sin, eps, hq, hkv, d)
+        key = repr((mode, sorted(options.items())))
+        cache = self.__dict__.setdefault("_compiled_fns", {})
+        if key not in cache:  # (kept: going back and forth does not compile again)
 
-        def post(h, attn, w_o, w_norm, w_gate_up, w_down):
-            return _post_layer(h, attn, w_o, w_norm, w_gate_up, w_down, eps, False)
+            def pre(h, w_norm, w_qkv, cos, sin):
+                return ops.pre_layer(h, w_norm, w_qkv, cos, sin, eps, hq, hkv, d)
 
-        kw = dict(options, fullgraph=True, mode=mode)
-        self._pre, self._post = torch.compile(pre, **kw), torch.compile(post, **kw)
+            def post(h, attn, w_o, w_norm, w_gate_up, w_down):
+                return ops.post_layer(h, attn, w_o, w_norm, w_gate_up, w_down, eps, False)
+
+            kw = dict(options, fullgraph=True, mode=mode)
+            cache[key] = torch.compile(pre, **kw), torch.compile(post, **kw)
+        self._pre, self._post = cache[key]
         self.compiled = True
         return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits of hidden states ``[N, hidden]`` (final norm + head)."""
-        x = _rms_norm(h, self.w["model.norm.weight"], self.eps)
+        x = ops.rms_norm(h, self.w["model.norm.weight"], self.eps)
         return (x @ self.w["lm_head.weight"].T).float()
 
     # ------------------------------------------------------------------ through the pool
@@ -581,12 +512,6 @@ class Llama:
             logits, past = self.forward_reference(torch.tensor(out[-1:]), past)
             out.append(int(logits[-1].argmax()))
         return out
-
-
-def _mark_tokens(*ts: torch.Tensor) -> None:
-    """Dim 0 (tokens) of the compiled pieces' inputs is dynamic: one compile for all counts."""
-    for t in ts:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _causal_attention(
