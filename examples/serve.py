@@ -583,6 +583,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--graph-max-len", type=int, default=4096,
                     help="--cuda-graph: tokens per request the graphs' page table holds")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the model's per-layer pieces around attention (norm, "
+                    "matmuls, RoPE, MLP: Llama.compile); the first steps compile them")  # fmt: skip
     ap.add_argument("--report", action="store_true",
                     help="then a per-dtype table: capacity, fidelity, a serving run per dtype")
     ap.add_argument("--dtypes", default="auto,bf16,fp16,fp8_e4m3,fp8_e5m2,nvfp4,fp4_mx_block16",
@@ -626,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model = str(path)
     with progress() as bar:
         task = bar.add_task(f"loading {Path(path).name} (weights dequantized)", total=None)
-        model = Llama.from_pretrained(path, device=args.device)
+        model = Llama.from_pretrained(path, device=args.device, compile=args.compile)
         tok = load_tokenizer(path)
         bar.remove_task(task)
         serve(model, tok, args.kv_dtype, args, verbose=True, bar=bar)

@@ -61,7 +61,9 @@ def test_pool_path_reproduces_reference_logits(tiny, page_size):
     for t in range(22, 30):
         out.append(tiny.forward(pool, ids[t : t + 1], Step.build([pages], [t], [1], page_size)))
     got = torch.cat(out)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # (fp32 noise only: matmuls of 1, 9, 13 and 30 rows accumulate in different orders, the
+    # residual adds inside them; logits reach |8|)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 

@@ -87,7 +87,7 @@ def test_half_split_rope_on_unpermuted_equals_pair_rope_on_permuted():
     d, heads, n = 16, 4, 7
     q = torch.randn(n, heads, d, dtype=torch.float64)
     pos = torch.arange(n) * 3
-    half = model._rope(q.float(), pos).double()
+    half = model.apply_rope(q.float(), pos).double()
     inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = pos[:, None].double() * inv[None]  # [n, d/2]
     qp = torch.from_numpy(llamacpp_permute(q.reshape(n, -1).T.numpy(), heads).T.copy())

@@ -19,6 +19,7 @@ directory (``config.json`` + ``*.safetensors``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from kvpool import llama_ops as ops
 from kvpool._core import ModelConfigError
 from kvpool.config import ModelSpec
+from kvpool.llama_ops import Rope
 
 if TYPE_CHECKING:
     from kvpool.pool import KVPool
@@ -133,18 +136,6 @@ class Step:
         return step.to(device) if torch.device(device).type != "cpu" else step
 
 
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class Llama:
     """Llama-family decoder with its weights as plain tensors.
 
@@ -160,12 +151,16 @@ class Llama:
         Geometry (and compute dtype) of the model, as the pool is sized for it.
     device : str or torch.device
         Where the weights live.
+    compile : bool
+        Run the per-layer pieces around attention through ``torch.compile`` (:meth:`compile`).
 
     Attributes
     ----------
     attn_backend : str
         ``backend`` of :func:`kvpool.attention.decode` / ``extend``: ``auto`` (Triton on CUDA,
         the torch reference on CPU), ``triton`` or ``torch``.
+    compiled : bool
+        Whether :meth:`qkv` and :meth:`finish_layer` run compiled (:meth:`compile`).
 
     Raises
     ------
@@ -180,6 +175,7 @@ class Llama:
         weights: dict[str, torch.Tensor],
         spec: ModelSpec,
         device: str | torch.device = "cpu",
+        compile: bool = False,
     ):
         self.config, self.spec = config, spec
         self.dtype = _TORCH_DTYPES[spec.dtype]
@@ -223,6 +219,14 @@ class Llama:
             self.w[p + "gate_up"] = torch.cat(
                 [self.w[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")], 0
             ).contiguous()
+        # Per layer: (input norm, qkv, o_proj, post-attention norm, gate_up, down_proj).
+        self._layer_w = [
+            tuple(self.w[f"model.layers.{i}.{n}"] for n in (
+                "input_layernorm.weight", "qkv", "self_attn.o_proj.weight",
+                "post_attention_layernorm.weight", "gate_up", "mlp.down_proj.weight"))
+            for i in range(self.num_layers)
+        ]  # fmt: skip
+        self.compile(compile)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -232,6 +236,7 @@ class Llama:
         *,
         dtype: str | None = None,
         device: str | torch.device = "cpu",
+        compile: bool = False,
     ) -> Llama:
         """Load a GGUF file or a Hugging Face model directory.
 
@@ -245,6 +250,8 @@ class Llama:
             ``torch_dtype`` for a directory.
         device : str or torch.device
             Where the weights go.
+        compile : bool
+            :meth:`compile` the per-layer pieces.
 
         Raises
         ------
@@ -267,53 +274,122 @@ class Llama:
             weights = {}
             for f in files:
                 weights.update(load_file(f))
-        return cls(config, weights, spec, device)
+        return cls(config, weights, spec, device, compile=compile)
 
     # ------------------------------------------------------------------ pieces
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; half-split rotation (Hugging Face layout), angles in float32.
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+    def rope(self, positions: torch.Tensor) -> Rope:
+        """RoPE factors of ``positions [T]`` (int), made once per step for every layer.
+
+        Hugging Face's rotary embedding: angles ``position * inv_freq`` in float32, duplicated
+        over the two halves, cos/sin cast to the compute dtype.
+        """
+        freqs = positions.to(device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
-        return x * cos + _rotate_half(x) * sin
+        sin = emb.sin()
+        sin[:, : self.d // 2].neg_()
+        return Rope(emb.cos().to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :])
+
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor | Rope) -> torch.Tensor:
+        """``x [T, H, head_dim]`` (compute dtype, any strides) rotated as :meth:`qkv` rotates.
+
+        ``positions``: ``[T]`` int, or their :meth:`rope` factors.
+        """
+        rope = positions if isinstance(positions, Rope) else self.rope(positions)
+        return ops.apply_rope(x, rope.cos, rope.sin)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` hidden states (compute dtype) of ``[T]`` int64 token ids."""
         return self.w["model.embed_tokens.weight"][input_ids.to(self.device)]
 
     def qkv(
-        self, i: int, h: torch.Tensor, positions: torch.Tensor
+        self, i: int, h: torch.Tensor, positions: torch.Tensor | Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``i``'s attention inputs of hidden states ``h [T, hidden]``.
 
         Returns ``q [T, H_q, head_dim]`` and ``k [T, H_kv, head_dim]`` after RoPE at
-        ``positions [T]`` (the cache keeps K after RoPE) and ``v [T, H_kv, head_dim]``, in the
-        compute dtype.
+        ``positions`` (``[T]`` int, or their :meth:`rope` factors, which a step makes once for
+        all layers; the cache keeps K after RoPE) and ``v [T, H_kv, head_dim]``, in the compute
+        dtype. All three are strided views (rows of the fused projection); the last dim is
+        contiguous.
         """
-        p = f"model.layers.{i}."
-        x = _rms_norm(h, self.w[p + "input_layernorm.weight"], self.eps)
-        qkv = x @ self.w[p + "qkv"].T
-        nq, nk = self.hq * self.d, self.hkv * self.d
-        q = qkv[:, :nq].reshape(-1, self.hq, self.d)
-        k = qkv[:, nq : nq + nk].reshape(-1, self.hkv, self.d)
-        v = qkv[:, nq + nk :].reshape(-1, self.hkv, self.d)
-        return self._rope(q, positions), self._rope(k, positions), v
+        rope = positions if isinstance(positions, Rope) else self.rope(positions)
+        w = self._layer_w[i]
+        if self.compiled:
+            ops.mark_tokens(h, rope.cos, rope.sin)
+        return self._pre(h, w[0], w[1], rope.cos, rope.sin)
 
     def finish_layer(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s output ``[T, hidden]`` from its attention output ``attn``.
 
         ``h`` + o_proj(``attn [T, H_q, head_dim]``), then the MLP block with its residual.
+        Eager, ``h`` is updated in place and returned (the residual adds are the matmuls' own
+        accumulation); compiled, ``h`` is left as it is.
         """
-        p = f"model.layers.{i}."
-        o = attn.reshape(h.shape[0], -1).to(self.dtype)
-        h = h + o @ self.w[p + "self_attn.o_proj.weight"].T
-        x = _rms_norm(h, self.w[p + "post_attention_layernorm.weight"], self.eps)
-        gate, up = (x @ self.w[p + "gate_up"].T).chunk(2, dim=-1)
-        return h + (F.silu(gate) * up) @ self.w[p + "mlp.down_proj.weight"].T
+        w = self._layer_w[i]
+        if self.compiled:
+            ops.mark_tokens(h, attn)
+        return self._post(h, attn, w[2], w[3], w[4], w[5])
+
+    def compile(self, enabled: bool = True, *, mode: str | None = None, **options: Any) -> Llama:
+        """Run the per-layer pieces around attention through ``torch.compile``.
+
+        :meth:`qkv` (norm + QKV matmul + RoPE) and :meth:`finish_layer` (o_proj + residual +
+        norm + MLP + residual); ``enabled=False``: back to eager. Returns the model.
+
+        One compiled function each serves every layer (the weights are arguments), with the
+        token count dynamic: prefill and every decode batch share a compile (a batch of one is
+        its own: torch specializes sizes 0 and 1). ``fullgraph=True``: the pieces have no graph
+        break, so a decode step stays capturable in :class:`kvpool.graph.DecodeGraph` (its
+        warm-up runs, which capture nothing, compile them). Attention and ``pool.write`` stay
+        outside. Results differ from eager by bf16/fp16 rounding (the compiler fuses and keeps
+        intermediates in float32).
+
+        Parameters
+        ----------
+        enabled : bool
+            Compile (default) or go back to the eager pieces.
+        mode : str, optional
+            ``torch.compile`` mode; not one that captures CUDA graphs itself
+            (``reduce-overhead``, ``max-autotune``: use ``max-autotune-no-cudagraphs``).
+        **options
+            Further ``torch.compile`` keyword arguments (``backend``, ``options``, ...).
+
+        Raises
+        ------
+        ValueError
+            ``mode`` captures CUDA graphs of its own.
+        """
+        eps, hq, hkv, d = self.eps, self.hq, self.hkv, self.d
+        if not enabled:
+            self._pre = functools.partial(ops.pre_layer, eps=eps, hq=hq, hkv=hkv, d=d)
+            self._post = functools.partial(ops.post_layer, eps=eps, inplace=True)
+            self.compiled = False
+            return self
+        if mode in ops.CUDAGRAPH_MODES:
+            raise ValueError(
+                f"compile mode {mode!r} captures CUDA graphs of its own, which cannot nest in "
+                "DecodeGraph's capture; use the default mode or 'max-autotune-no-cudagraphs'"
+            )
+
+        key = repr((mode, sorted(options.items())))
+        cache = self.__dict__.setdefault("_compiled_fns", {})
+        if key not in cache:  # (kept: going back and forth does not compile again)
+
+            def pre(h, w_norm, w_qkv, cos, sin):
+                return ops.pre_layer(h, w_norm, w_qkv, cos, sin, eps, hq, hkv, d)
+
+            def post(h, attn, w_o, w_norm, w_gate_up, w_down):
+                return ops.post_layer(h, attn, w_o, w_norm, w_gate_up, w_down, eps, False)
+
+            kw = dict(options, fullgraph=True, mode=mode)
+            cache[key] = torch.compile(pre, **kw), torch.compile(post, **kw)
+        self._pre, self._post = cache[key]
+        self.compiled = True
+        return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits of hidden states ``[N, hidden]`` (final norm + head)."""
-        x = _rms_norm(h, self.w["model.norm.weight"], self.eps)
+        x = ops.rms_norm(h, self.w["model.norm.weight"], self.eps)
         return (x @ self.w["lm_head.weight"].T).float()
 
     # ------------------------------------------------------------------ through the pool
@@ -362,8 +438,9 @@ class Llama:
                     cu_seqlens_q=step.cu_seqlens_q, page_table=step.page_table,
                     seq_lens=step.seq_lens,
                 )  # fmt: skip
+        rope = self.rope(step.positions)  # (once for all layers)
         for i in range(self.num_layers):
-            q, k, v = self.qkv(i, h, step.positions)
+            q, k, v = self.qkv(i, h, rope)
             pool.write(i, step.out_loc, k, v)
             o = fn(i, q, **kw)
             h = self.finish_layer(i, h, o)
@@ -383,9 +460,9 @@ class Llama:
         def step(s):
             with torch.inference_mode():
                 h = self.embed(s.inputs["input_ids"])
-                pos = s.seq_lens.to(torch.int64) - 1
+                rope = self.rope(s.seq_lens.to(torch.int64) - 1)
                 for i in range(self.num_layers):
-                    q, k, v = self.qkv(i, h, pos)
+                    q, k, v = self.qkv(i, h, rope)
                     pool.write(i, s.slots, k, v)
                     h = self.finish_layer(i, h, pool.decode(i, q, plan=s.plan, **kw))
                 return self.logits(h)
@@ -413,11 +490,11 @@ class Llama:
         """
         n0 = 0 if past is None else past[0][0].shape[1]
         ids = input_ids.to(self.device)
-        positions = torch.arange(n0, n0 + ids.numel(), device=self.device)
+        rope = self.rope(torch.arange(n0, n0 + ids.numel(), device=self.device))
         h = self.w["model.embed_tokens.weight"][ids]
         new_past = []
         for i in range(self.num_layers):
-            q, k, v = self.qkv(i, h, positions)
+            q, k, v = self.qkv(i, h, rope)
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, N, D]
             if past is not None:
                 k, v = torch.cat([past[i][0], k], 1), torch.cat([past[i][1], v], 1)
