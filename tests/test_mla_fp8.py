@@ -79,7 +79,7 @@ def test_dots_knob_is_checked_and_shown():
     with pytest.raises(ValueError, match="`dots` = 'fp8' runs on fp8 caches .* is bf16"):
         plan(bf, 8)
     small = Latent("fp8_e5m2", [40, 3], rank=32, rope=16)
-    with pytest.raises(ValueError, match="got 32, 16, 32"):
+    with pytest.raises(ValueError, match="got 32, 16, 64"):  # (block_n 64 with 64-row blocks)
         plan(small, 8)
 
 
