@@ -16,6 +16,10 @@ Triton tiles are powers of two and 576 is not. Dequantization reuses ``decode.lo
 ``decode.dequant`` (FP4 in registers; the per-tensor fp8 scale and the nvfp4 global scale are
 folded into the softmax scale and the output, as in ``decode``). Masking as in ``decode``: no
 slot at or past ``seq_len`` is read, no page-table entry past ``ceil(seq_len / page_size)``.
+
+``F8DOT`` (decode, fp8 caches): the dots run on fp8 tensor cores straight on the cache's bytes
+(``mla_tile_step_f8``): q is quantized once per program to e4m3 with one fp32 scale per
+(request, head), P to e4m3 as ``P * 448``; no element of the cache is converted.
 """
 
 import triton
@@ -24,6 +28,7 @@ import triton.language as tl
 from .decode import dequant, load_raw
 
 LOG2E = tl.constexpr(1.4426950408889634)  # (compiled Triton refuses plain globals in @jit)
+E4M3_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value
 
 
 @triton.jit
@@ -52,6 +57,46 @@ def latent_tile(
         bs = KBS
     x, s = load_raw(ptr, bs, slot, mask, 0, stride_kr, stride_kbr, D, FMT, ASM)
     return dequant(x, s, BN, D, FMT, CDT, False, ASM, KV.dtype.element_ty == tl.float8e5)
+
+
+@triton.jit
+def latent_raw(
+    KV,
+    slot,
+    mask,
+    stride_kr,
+    OFF: tl.constexpr,
+    D: tl.constexpr,
+    EMU: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Values ``OFF .. OFF + D - 1`` of fp8 latent rows ``slot`` as stored, ``[BN, D]`` (masked
+    rows 0): the operand of an fp8 dot. ``EMU``: as fp32 (the interpreter's fp8 dots are wrong,
+    its fp8 -> fp32 conversion of finite codes is exact). ``EVICT``: the load's L1 hint."""
+    d = tl.arange(0, D)
+    x = tl.load(
+        KV + OFF + slot[:, None] * stride_kr + d[None, :],
+        mask=mask[:, None],
+        other=0.0,
+        eviction_policy=EVICT,
+    )
+    if EMU:
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def round_e4m3(x, EMU: tl.constexpr):
+    """fp32 ``x`` (finite, ``|x| <= 448``) rounded to e4m3, to nearest even (the cvt the GPU
+    runs). ``EMU``: the same values as fp32, computed on the bits: the interpreter's fp32 ->
+    fp8 cast drops the carry when the mantissa rounds up into the next power of two (seen with
+    triton 3.9: 1.97 -> 1.0)."""
+    if EMU:
+        e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # subnormals
+        ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        r = (x / ulp + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to an integer, ties even
+        return r * ulp
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -119,6 +164,55 @@ def mla_tile_step(
 
 
 @triton.jit
+def mla_tile_step_f8(
+    q_n,
+    q_r,
+    m_i,
+    l_i,
+    acc,
+    KV,
+    pt_row,
+    s,
+    end,
+    stride_kr,
+    qk_row,
+    page_shift,
+    page_mask,
+    DL: tl.constexpr,
+    DR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EMU: tl.constexpr,
+):
+    """``mla_tile_step`` (decode) with fp8 dots over raw fp8 latent tiles: ``q_n`` / ``q_r``
+    e4m3, ``qk_row [R]`` each row's factor from the dot to log2 units (q's scale x sm_scale x
+    the k scale x LOG2E). ``acc`` accumulates ``P * E4M3_MAX`` (P <= 1 after the running max;
+    the whole e4m3 range, so small weights keep 3 mantissa bits down to 2^-6 / 448) rounded to
+    e4m3, dotted with the tile's first ``DL`` values: the caller divides by ``E4M3_MAX``.
+    ``EMU``: the operands are fp32 holding the same fp8 values, the dots fp32 (interpreter)."""
+    t = s + tl.arange(0, BLOCK_N)
+    tm = t < end
+    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+    slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+    kn = latent_raw(KV, slot, tm, stride_kr, 0, DL, EMU, "")
+    kr = latent_raw(KV, slot, tm, stride_kr, DL, DR, EMU, "")
+    # V = the same bytes as kn, loaded again (from L2): an fp8 wgmma takes B K-major, so V goes
+    # to shared memory transposed, through registers; one load with both uses would keep kn
+    # out of the pipeliner's async copies too (Triton 3.6). (The eviction hint, L1 only, also
+    # keeps the two loads from being merged.)
+    v = latent_raw(KV, slot, tm, stride_kr, 0, DL, EMU, "evict_first")
+    qk = tl.dot(q_n, tl.trans(kn))
+    qk = tl.dot(q_r, tl.trans(kr), acc=qk)
+    qk = tl.where(tm[None, :], qk * qk_row[:, None], float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])  # in [0, 1]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(round_e4m3(p * E4M3_MAX, EMU), v, acc=acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # (they change between steps)
 def mla_decode_kernel(
     Q,
     KV,
@@ -151,13 +245,18 @@ def mla_decode_kernel(
     HAS_SCALE: tl.constexpr,
     FP4_MUL: tl.constexpr,
     ASM: tl.constexpr,
+    F8DOT: tl.constexpr = 0,
 ):
     """Grid ``(cdiv(H, BLOCK_H), B, num_splits)``: the head blocks of a request run side by side,
     so the latent tiles they share are read from DRAM once and from L2 by the others.
 
     ``FINAL`` (one split): write ``out [B, H, DL]``; else the split's normalized partial output
     ``PO [B*H, num_splits, DL]`` fp32 and its log2-sum-exp ``PL [B*H, num_splits]`` (an empty
-    split stores (0, -inf)) for ``decode.merge_kernel``, which applies the V factor."""
+    split stores (0, -inf)) for ``decode.merge_kernel``, which applies the V factor.
+
+    ``F8DOT`` (fp8 caches; 1 on the GPU, 2 emulated for the interpreter; CDT fp32): fp8 dots
+    (``mla_tile_step_f8``); each head's q row is scaled by ``amax / 448`` (1 for a zero row)
+    and rounded to e4m3 once, the scale folded into the row's softmax factor."""
     hb = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,11 +283,24 @@ def mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, DL], tl.float32)
     pt_row = PT + b.to(tl.int64) * stride_pt
-    for s in range(start, end, BLOCK_N):
-        m_i, l_i, acc = mla_tile_step(
-            q_n, q_r, m_i, l_i, acc, KV, KBS, pt_row, s, end, end, stride_kr, stride_kbr,
-            qk_scale, page_shift, page_mask, DL, DR, BLOCK_N, False, FMT, CDT, IS_F32, ASM,
-        )  # fmt: skip
+    if F8DOT:  # (CDT is fp32 then)
+        amax = tl.maximum(tl.max(tl.abs(q_n), 1), tl.max(tl.abs(q_r), 1))
+        sq = tl.where(amax > 0, amax / E4M3_MAX, 1.0)
+        q_n = round_e4m3(q_n / sq[:, None], F8DOT == 2)
+        q_r = round_e4m3(q_r / sq[:, None], F8DOT == 2)
+        qk_row = sq * qk_scale
+        for s in range(start, end, BLOCK_N):
+            m_i, l_i, acc = mla_tile_step_f8(
+                q_n, q_r, m_i, l_i, acc, KV, pt_row, s, end, stride_kr, qk_row, page_shift,
+                page_mask, DL, DR, BLOCK_N, F8DOT == 2,
+            )  # fmt: skip
+        acc = acc * (1.0 / E4M3_MAX)
+    else:
+        for s in range(start, end, BLOCK_N):
+            m_i, l_i, acc = mla_tile_step(
+                q_n, q_r, m_i, l_i, acc, KV, KBS, pt_row, s, end, end, stride_kr, stride_kbr,
+                qk_scale, page_shift, page_mask, DL, DR, BLOCK_N, False, FMT, CDT, IS_F32, ASM,
+            )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     if FINAL:
@@ -206,7 +318,7 @@ def mla_decode_kernel(
         tl.store(PL + row, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "blocks_per_req"])  # (they change between steps)
 def mla_extend_kernel(
     Q,
     KV,

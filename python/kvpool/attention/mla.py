@@ -31,8 +31,9 @@ Kernels (``kvpool.triton_kernels.mla``, plan ``kernel = "mla_triton"``): decode 
 request's tokens (flash-decoding, merged by ``decode.merge_kernel``), one program per (block of
 ``block_h`` heads, request, split) reading each latent tile once for its heads (tensor-core
 dots ``[block_h x 576] x [576 x block_n]``); extend takes ``block_t`` new tokens x ``block_h``
-heads per program. Every dtype is dequantized in registers (FP4 included). The kernels need
-``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16 (Triton tiles); the torch
+heads per program. Every dtype is dequantized in registers (FP4 included), except with decode's
+``dots="fp8"`` (fp8 caches: fp8 dots on the raw bytes, :mod:`~kvpool.attention.mla_dots`). The
+kernels need ``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16 (Triton tiles); the torch
 reference (:func:`~kvpool.attention.reference.reference_mla_decode`) takes any geometry.
 Extend runs the absorbed form too (about 3.4x the FLOPs of the expanded form at DeepSeek's
 shapes: fine for chunks of new tokens over a long prefix, not the fastest for a long plain
@@ -65,6 +66,7 @@ from kvpool.attention.checks import (
     _positive_real,
     _use_triton,
 )
+from kvpool.attention.mla_dots import _check_dots, _dots_consts
 from kvpool.attention.reference import reference_mla_decode, reference_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import _asm_mode, _check_fp4_tile
@@ -97,6 +99,9 @@ class MLADecodePlan:
     kernel : str
         The kernel variant that runs: ``"mla_triton"`` (or ``"mla_small"``, a
         :class:`kvpool.attention.mla_small.MLASmallDecodePlan`).
+    dots : str
+        ``"f16"`` (dequantize in registers, 16-bit dots) or ``"fp8"`` (fp8 caches: fp8 dots on
+        the raw cache; :mod:`kvpool.attention.mla_dots`).
     """
 
     page_table: torch.Tensor
@@ -112,6 +117,7 @@ class MLADecodePlan:
     part_out: torch.Tensor | None
     part_lse: torch.Tensor | None
     kernel: str = "mla_triton"
+    dots: str = "f16"
 
 
 @dataclass
@@ -241,9 +247,9 @@ def _asm_ok(view: LayerView) -> bool:
     )
 
 
-def _block_h(h: int, block_h) -> int:
-    if block_h is None:
-        return min(64, max(16, _pow2(h)))
+def _block_h(h: int, block_h, dots=None) -> int:
+    if block_h is None:  # (fp8 products run on wgmma only, which takes 64 rows)
+        return 64 if dots == "fp8" else min(64, max(16, _pow2(h)))
     return _check_knob("block_h", block_h, 16, 128, pow2=True)
 
 
@@ -265,6 +271,7 @@ def plan_mla_decode(
     num_stages: int | None = None,
     asm: bool | None = None,
     kernel: str | None = None,
+    dots: str | None = None,
 ) -> MLADecodePlan:
     """Plan :func:`mla_decode` for one batch (any MLA layer of the pool may use it).
 
@@ -279,14 +286,20 @@ def plan_mla_decode(
     against 0.904 / 1.56 / 1.86 with 32-token tiles), 8 warps from 64 heads a program (4
     below), 2 stages, the word decode
     for fp8/FP4, splits from :func:`~kvpool.attention.splits.default_splits` over
-    ``B x ceil(H / block_h)`` programs. ``max_seq_len`` as in :func:`plan_decode`.
+    ``B x ceil(H / block_h)`` programs, ``dots="f16"``. ``max_seq_len`` as in
+    :func:`plan_decode`. ``dots="fp8"`` (fp8 caches) runs the dots on fp8 tensor cores over the
+    raw cache, with q and P rounded to e4m3 (:mod:`kvpool.attention.mla_dots`: accuracy,
+    limits); ``asm`` is then False (nothing is decoded) and ``block_h`` 64 at any head count
+    (Triton 3.6 runs fp8 products on wgmma, 64 rows; below, on mma.sync, it converts them to
+    fp16 first).
 
     Raises
     ------
     ValueError
         A tensor of the wrong shape/dtype/device, a geometry the kernels do not cover (named,
         with what they support), a knob out of range (``block_h`` a power of two in 16..128,
-        ``block_n`` >= 16, 32 for FP4 on the GPU, ``num_splits`` 1..1024).
+        ``block_n`` >= 16, 32 for FP4 on the GPU, ``num_splits`` 1..1024), ``dots`` not
+        ``"f16"``/``"fp8"``, ``"fp8"`` on a cache that is not fp8 or below 32 values/tokens.
     """
     rank = _rank(view, kv_lora_rank)
     _check_mla_view(view, rank, kernels=True)
@@ -299,15 +312,22 @@ def plan_mla_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     from kvpool.attention import mla_small
 
-    if mla_small.routes_small(h, kernel):  # few heads: tokens on the MMA's M
+    if kernel == "mla_small" and dots == "fp8":
+        raise ValueError(
+            "kernel='mla_small' has no fp8 dots (dots='fp8' runs on kernel='mla_triton'); "
+            "give dots='f16' or kernel='mla_triton'"
+        )
+    # few heads: tokens on the MMA's M (fp8 dots are the head-block kernel's)
+    if dots != "fp8" and mla_small.routes_small(h, kernel):
         return mla_small.plan_small(
             view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_h=block_h,
             block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm,
         )  # fmt: skip
-    bh = _block_h(h, block_h)
+    bh = _block_h(h, block_h, dots)
     bn_default = 64 if bh >= 64 else 32
     block_n = _check_knob("block_n", bn_default if block_n is None else block_n, 16, pow2=True)
     _check_fp4_tile(view, block_n)
+    dots = _check_dots(view, dots, rank, block_n)
     nw = 8 if bh >= 64 else 4
     nw = _check_knob("num_warps", nw if num_warps is None else num_warps, 1, 32, pow2=True)
     ns = _check_knob("num_stages", 2 if num_stages is None else num_stages, 1)
@@ -320,8 +340,9 @@ def plan_mla_decode(
         part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     asm = _asm_ok(view) if asm is None else bool(asm) and _asm_ok(view)
     return MLADecodePlan(
-        page_table, seq_lens, h, rank, num_splits, bh, block_n, nw, ns, asm, part_out, part_lse
-    )
+        page_table, seq_lens, h, rank, num_splits, bh, block_n, nw, ns, asm and dots == "f16",
+        part_out, part_lse, dots=dots,
+    )  # fmt: skip
 
 
 def _extend_tiles(h: int, block_t, block_h, block_n, num_warps, num_stages):
@@ -479,6 +500,7 @@ def mla_decode(
             f"kv_lora_rank {plan.kv_lora_rank}; this call has {bsz} x {h}, {rank}"
         )
     _check_fp4_tile(view, plan.block_n)
+    _check_dots(view, plan.dots, rank, plan.block_n)
     s = plan.num_splits
     if s > 1 and (plan.part_out is None or plan.part_out.device != dev):
         raise ValueError(f"`plan` has no split workspace on {dev}")
@@ -491,7 +513,7 @@ def mla_decode(
     from kvpool.triton_kernels.mla import mla_decode_kernel
 
     kbs, ksc, kbs_stride = _scales(view)
-    consts = _kernel_consts(view, rank, plan.asm)
+    consts = {**_kernel_consts(view, rank, plan.asm), **_dots_consts(plan.dots)}
     mla_decode_kernel[(_cdiv(h, plan.block_h), bsz, s)](
         q, view.k, kbs, ksc, page_table, seq_lens, out,
         plan.part_out if s > 1 else out, plan.part_lse if s > 1 else out,
