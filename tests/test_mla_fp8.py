@@ -68,7 +68,7 @@ def test_dots_knob_is_checked_and_shown():
     off; wrong values, non-fp8 caches and tiles below k = 32 are refused with the reason."""
     c = Latent("fp8_e4m3", [40, 3], rank=32, rope=32)
     p = attention.plan_mla_decode(c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32)
-    assert p.dots == "f16" and p.asm and p.kernel == "mla_triton"
+    assert p.dots == "f16" and p.asm and p.kernel == "mla_small"  # (8 heads: tokens on M)
     p8 = plan(c, 8)
     assert p8.dots == "fp8" and not p8.asm and "dots='fp8'" in repr(p8)
     with pytest.raises(ValueError, match="`dots` = 'bf16': must be one of 'f16', 'fp8'"):

@@ -72,17 +72,24 @@ def test_knobs_and_workspace():
     c = Latent("nvfp4", [40, 3, 17])
     p = mla_small.plan_mla_small_decode(
         c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32, num_splits=5, block_h=8,
-        block_n=64, num_warps=8, num_stages=1, prefetch=True,
+        block_n=64, num_warps=4, num_stages=1, prefetch=True,
     )  # fmt: skip
     fields = (p.num_splits, p.block_h, p.block_n, p.num_warps, p.num_stages, p.prefetch)
-    assert fields == (5, 8, 64, 8, 1, True)
+    assert fields == (5, 8, 64, 4, 1, True)
     assert p.part_out.shape == (3, 8, 5, 32) and p.part_out.dtype == torch.float32
     assert p.part_lse.shape == (3, 8, 5)
     p = mla_small.plan_mla_small_decode(
         c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32, num_splits=1
     )
     assert p.part_out is None and p.part_lse is None
+    assert (p.block_n, p.num_warps, p.num_stages, p.prefetch) == mla_small.QUANT_TILE
+    bf = Latent("bf16", [40, 3, 17])
+    p = mla_small.plan_mla_small_decode(bf.view, 8, bf.page_table, bf.seq_lens, kv_lora_rank=32)
     assert (p.block_n, p.num_warps, p.num_stages, p.prefetch) == mla_small.DEFAULT_TILE
+    with pytest.raises(ValueError, match=r"`prefetch` with `num_warps` = 8: .* at most 4 warps"):
+        mla_small.plan_mla_small_decode(
+            c.view, 8, c.page_table, c.seq_lens, kv_lora_rank=32, num_warps=8, prefetch=True
+        )
     p = mla_small.plan_mla_small_decode(c.view, 20, c.page_table, c.seq_lens, kv_lora_rank=32)
     assert (p.block_h, p.num_warps) == (32, mla_small.WIDE_WARPS)  # (a 512 x 32 accumulator)
     assert p.asm  # (a pool-like contiguous FP4 cache: the word decode)
@@ -181,13 +188,13 @@ def test_head_block_kernel_reachable_interpreted(dtype):
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_small_decode_gpu_deepseek(dtype, heads, page):
     """DeepSeek latent (512 + 64) at TP 8 (16 heads; Kimi-K2: 8): the default plan, 5 splits,
-    and the variants the sweep measures (prefetch at 64 tokens x 8 warps; the cp.async
+    and the variants the sweep measures (prefetch at 64 tokens x 4 warps; the cp.async
     pipeline at 64 x 8), against the oracle."""
     c = Latent(dtype, [1, 100, 1000, 4093, 16], rank=512, rope=64, page=page, device="cuda")
     variants = (
         {"max_seq_len": 4093},
         {"num_splits": 5},
-        {"num_splits": 7, "prefetch": True, "block_n": 64, "num_warps": 8, "num_stages": 1},
+        {"num_splits": 7, "prefetch": True, "block_n": 64, "num_warps": 4, "num_stages": 1},
         {"num_splits": 3, "prefetch": False, "block_n": 64, "num_warps": 8, "num_stages": 2},
         {"num_splits": 4, "prefetch": True, "block_n": 32, "num_warps": 4, "num_stages": 1},
     )

@@ -55,8 +55,8 @@ DTYPES = ("fp8_e4m3", "nvfp4", "bf16")  # (the target first: a cut run keeps it)
 #: the default plans, then mla_small tiles compiled for sm_90 without spills (see
 #: attention/mla_small.py DEFAULT_TILE), then split counts around the default ones
 VARIANTS = (
-    "old,small,64:8:1:1,32:4:1:1,64:8:2:0,32:8:1:1,32:4:2:0,"
-    "32:4:3:0:2,32:4:3:0:8,32:4:3:0:16,64:8:1:1:4,64:8:1:1:8,32:4:3:0:d:8"
+    "old,small,32:4:1:1,32:4:3:0,64:4:1:1,64:8:2:0,32:8:1:0,32:4:2:0,"
+    "32:4:1:1:2,32:4:1:1:8,32:4:1:1:16,32:4:3:0:2,32:4:3:0:8,32:4:3:0:d:8"
 )
 REL_OK = 2e-2
 

@@ -56,15 +56,18 @@ SMALL_BLOCK_H_MAX = 64
 MLA_SMALL_ENV = "KVPOOL_MLA_SMALL"
 KERNELS = ("mla_triton", "mla_small")
 
-#: Default tile: 32 tokens, 4 warps, 3 stages, no register prefetch, for every dtype. Compiled
-#: for sm_90 with Triton 3.6 on the CPU at DeepSeek's latent (512 + 64) and 16 heads: 180 (bf16),
-#: 188 (fp8_e4m3), 240 (nvfp4), 255 (fp4_mx_block16) registers a thread without spills and
-#: 55-69 KiB of shared memory, so two programs a multiprocessor; 64-token tiles at 4 warps
-#: spill (fp8: 960 bytes a thread). Heads padded to 32 or 64 double or quadruple the ``O^T``
-#: accumulator: 4 warps spill there (nvfp4: 144 bytes, fp4_mx_block16: 368 at 32), so those
-#: plans take :data:`WIDE_WARPS` (178-254 registers, no spills at 32 heads). Not yet measured
-#: on a GPU.
+#: Default tile of 16-bit caches: 32 tokens, 4 warps, 3 stages, no register prefetch. Compiled
+#: for sm_90 with Triton 3.6 at DeepSeek's latent (512 + 64) and 16 heads: 180 (bf16) to 255
+#: (fp4_mx_block16) registers a thread without spills and 55-69 KiB of shared memory, so two
+#: programs a multiprocessor; 64-token tiles at 4 warps spill (fp8: 960 bytes a thread). Heads
+#: padded to 32 or 64 double or quadruple the ``O^T`` accumulator: 4 warps spill there, so those
+#: plans take :data:`WIDE_WARPS`. H200, B=64 x 8k, run 14 (benches/attention/results/run14_h200):
+#: bf16 0.257 ms (56% of the copy bandwidth in latent bytes; the head-block kernel 0.277 ms).
 DEFAULT_TILE = (32, 4, 3, False)
+#: Default tile of fp8 and FP4 caches: the register prefetch at 32 tokens, 4 warps, 1 stage.
+#: Run 14 at DeepSeek TP 8: fp8_e4m3 0.273 ms against 0.380 for :data:`DEFAULT_TILE` and 0.421
+#: for the head-block kernel; nvfp4 0.392 / 0.420 / 0.483 ms.
+QUANT_TILE = (32, 4, 1, True)
 WIDE_WARPS = 8
 
 
@@ -134,15 +137,26 @@ def plan_small(
         bh = max(16, hp_min)
     else:
         bh = _check_knob("block_h", block_h, hp_min, SMALL_BLOCK_H_MAX, pow2=True)
-    bn0, nw0, ns0, pf0 = DEFAULT_TILE
+    bn0, nw0, ns0, pf0 = (
+        QUANT_TILE if view.dtype.startswith(("fp8", "nvfp4", "fp4")) else DEFAULT_TILE
+    )
     bn = _check_knob("block_n", bn0 if block_n is None else block_n, 16, 256, pow2=True)
     _check_fp4_tile(view, bn)
-    nw0 = nw0 if bh <= 16 else WIDE_WARPS
+    if bh > 16:  # (the wide accumulator: 8 warps, and so no prefetch, below)
+        nw0, ns0, pf0 = WIDE_WARPS, DEFAULT_TILE[2], False
     nw = _check_knob("num_warps", nw0 if num_warps is None else num_warps, 1, 16, pow2=True)
     ns = _check_knob("num_stages", ns0 if num_stages is None else num_stages, 1, 8)
     if prefetch is not None and not isinstance(prefetch, bool):
         raise ValueError(f"`prefetch` = {prefetch!r}: must be a bool")
     pf = pf0 if prefetch is None else prefetch
+    if pf and nw > 4:
+        # run 14 (H200, Triton 3.6): the prefetch at 64 tokens x 8 warps returned wrong outputs
+        # (relative error 5) for every dtype, while 32 x 4 matched the reference
+        raise ValueError(
+            f"`prefetch` with `num_warps` = {nw}: the register prefetch runs with at most 4 warps "
+            "(8 warps computed wrong outputs on the H200 with Triton 3.6); give num_warps <= 4 "
+            "or prefetch=False"
+        )
     dev = view.k.device
     b = page_table.shape[0]
     if num_splits is None:
