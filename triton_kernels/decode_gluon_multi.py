@@ -21,7 +21,9 @@ amortizes those costs:
   (``[slot, head, head_dim]``), so one page id serves both; their two softmax chains interleave
   and share one lazy-rescale test. Grid ``(H_kv / HPP, B, splits)`` (KV heads fastest).
 - ``STAGES`` ring stages, ``STAGES - 1`` in flight: bytes in flight per program
-  ``(STAGES - 1) x SUB x HPP x`` the tile's bytes.
+  ``(STAGES - 1) x SUB x HPP x`` the tile's bytes. A stage's page ids are loaded ``AHEAD``
+  (1, 2) stages before its copies are issued (a page-id load must land within that many
+  stages' work, or the issue waits on it).
 - ``TMA``: the data rows by TMA boxes (one 16-row box per tile, head and K/V: no per-lane
   address math; sm_90+), else ``cp.async`` (16-byte pieces, rows past the end clamped). FP4 block
   scales always come by ``cp.async`` (4-byte pieces, clamped rows).

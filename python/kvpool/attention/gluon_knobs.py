@@ -221,10 +221,14 @@ def _row_bytes(view: LayerView) -> int:
     return d // 2 if view.dtype in _FP4 else d * view.k.element_size()
 
 
-def _smem_bytes(view: LayerView, k: GluonKnobs) -> int:
-    """Shared memory of a multi program: the ring's K and V tiles (and FP4 scale rows)."""
-    stages = 3 if k.stages is None else k.stages
-    sub = 2 if k.sub is None else k.sub
+def _smem_bytes(view: LayerView, k: GluonKnobs, stages: int = 3, sub: int = 2) -> int:
+    """Shared memory of a program's ring in bytes.
+
+    Its K and V tiles (and FP4 scale rows) and a barrier a stage; ``stages`` / ``sub`` where
+    ``k`` leaves them None.
+    """
+    stages = stages if k.stages is None else k.stages
+    sub = sub if k.sub is None else k.sub
     tile = 16 * (_row_bytes(view) + (view.head_dim // 16 if view.dtype in _FP4 else 0))
     return stages * sub * k.heads * 2 * tile + 8 * stages
 
@@ -296,8 +300,33 @@ def plan_fields(view: LayerView, group: int, k: GluonKnobs, stages: int, per_sm:
         block_n = block_n if k.sub is None else 16 * k.sub
         if stages == 0:
             block_n = 16
-        per_sm = per_sm if k.per_sm is None else k.per_sm
+        if k.per_sm is not None:
+            per_sm = k.per_sm
+        elif stages > 0:  # (a deeper ring may fit fewer programs than the model's)
+            ring = _smem_bytes(view, k, stages, block_n // 16)
+            per_sm = max(1, min(per_sm, (228 * 1024) // (ring + 1024)))
     return stages, block_n, per_sm, maxnreg if k.maxnreg is None else k.maxnreg
+
+
+def multi_constants(dtype: str, head_dim: int, group: int, k: GluonKnobs, *, stages: int,
+                    block_n: int, final: bool, softcap: bool, window: bool, sinks: bool,
+                    head_fast: bool = True) -> dict:  # fmt: skip
+    """The constexprs :func:`launch_multi` passes ``decode_gluon_multi.decode_kernel``.
+
+    Also what ``tests/test_gluon_compile.py`` builds. ``softcap`` / ``window`` / ``sinks``:
+    whether the call has one.
+    """
+    from kvpool.attention import variants
+
+    fp4 = dtype in _FP4
+    dec = (2, 2) if dtype == "fp4_mx_block16" else variants._GLUON_FP4_DEC if fp4 else (1, 1)
+    return dict(
+        G=group, D=head_dim, FINAL=final, FP4=fp4, E5M2=dtype == "fp8_e5m2",
+        WIDE={"fp16": 1, "bf16": 2}.get(dtype, 0), DEC_K=dec[0], DEC_V=dec[1],
+        HAS_SOFTCAP=softcap, HAS_WINDOW=window, HAS_SINKS=sinks, STAGES=stages,
+        SUB=block_n // 16, HPP=k.heads, RESCALE=8.0 if k.rescale is None else float(k.rescale),
+        TMA=k.tma is None or k.tma, HEAD_FAST=head_fast, AHEAD=k.ahead,
+    )  # fmt: skip
 
 
 def launch_multi(view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks,
@@ -307,7 +336,6 @@ def launch_multi(view, q, page_table, seq_lens, plan, out, scale, softcap, windo
     The caller merges the splits. Grid ``(H_kv / heads, B, splits)`` (B past 65,535: B
     first). With ``calls`` (a list) the launch is appended to it (:func:`kvpool._launch.call`).
     """
-    from kvpool.attention import variants
     from kvpool.attention.launch_decode import _tma_desc
     from kvpool.triton_kernels.decode_gluon_multi import decode_kernel
 
@@ -316,21 +344,24 @@ def launch_multi(view, q, page_table, seq_lens, plan, out, scale, softcap, windo
     s = plan.num_splits
     g = hq // view.num_kv_heads
     fp4 = view.dtype in _FP4
-    mx = view.dtype == "fp4_mx_block16"
-    wide = {"fp16": 1, "bf16": 2}.get(view.dtype, 0)
     if fp4:
         kbs, vbs = view.k_block_scale.view(torch.uint8), view.v_block_scale.view(torch.uint8)
+        mx = view.dtype == "fp4_mx_block16"
         ksc, vsc = (kbs, vbs) if mx else (view.k_scale, view.v_scale)
-        dec = (2, 2) if mx else variants._GLUON_FP4_DEC
     else:
-        kbs = vbs = out
+        kbs = vbs = out  # (no block scales; 16-bit caches: no scales at all)
+        wide = view.dtype in ("bf16", "fp16")
         ksc, vsc = (out, out) if wide else (view.k_scale, view.v_scale)
-        dec = (1, 1)
-    tma = k.tma is None or k.tma
-    extra = {}
-    if tma:
-        extra = dict(KD=_tma_desc(view.k.view(torch.uint8)), VD=_tma_desc(view.v.view(torch.uint8)))
     hf = bsz <= 65535
+    consts = multi_constants(
+        view.dtype, view.head_dim, g, k, stages=plan.num_stages, block_n=plan.block_n,
+        final=s == 1, softcap=softcap is not None, window=window is not None,
+        sinks=sinks is not None, head_fast=hf,
+    )  # fmt: skip
+    if consts["TMA"]:
+        consts.update(
+            KD=_tma_desc(view.k.view(torch.uint8)), VD=_tma_desc(view.v.view(torch.uint8))
+        )
     hp = view.num_kv_heads // k.heads
     grid = (hp, bsz, s) if hf else (bsz, hp, s)
     _launch.call(
@@ -342,10 +373,5 @@ def launch_multi(view, q, page_table, seq_lens, plan, out, scale, softcap, windo
         kbs.stride(0) if fp4 else 0, vbs.stride(0) if fp4 else 0,
         page_table.stride(0), out.stride(0), out.stride(1), scale, float(softcap or 1.0),
         int(window or 0), view.page_size.bit_length() - 1, s, g,
-        G=g, D=view.head_dim, FINAL=s == 1, FP4=fp4, E5M2=view.dtype == "fp8_e5m2", WIDE=wide,
-        DEC_K=dec[0], DEC_V=dec[1], HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, STAGES=plan.num_stages,
-        SUB=plan.block_n // 16, HPP=k.heads, RESCALE=8.0 if k.rescale is None else float(k.rescale),
-        TMA=tma, HEAD_FAST=hf, AHEAD=k.ahead, num_warps=1, **extra,
-        **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
+        num_warps=1, **consts, **({} if plan.maxnreg is None else {"maxnreg": plan.maxnreg}),
     )  # fmt: skip
