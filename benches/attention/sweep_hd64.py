@@ -179,7 +179,8 @@ def check(dtype, knobs, splits, n, window=None) -> dict:
 
 
 def worker(args) -> None:
-    """``--worker i/N``: check every N-th job of ``<out>/sweep_jobs.json`` from the i-th."""
+    """``--worker i/N``: check every N-th job of ``<out>/sweep_jobs.json`` from the i-th; a
+    ``start`` line before each job, its result after (the parent kills a job that hangs)."""
     i, n = map(int, args.worker.split("/"))
     with open(os.path.join(args.out, "sweep_jobs.json")) as f:
         jobs = json.load(f)
@@ -189,6 +190,8 @@ def worker(args) -> None:
     for j, job in enumerate(jobs):
         if j % n != i:
             continue
+        with open(path, "a") as f:
+            f.write(json.dumps({"id": job["id"], "start": time.time()}) + "\n")
         rec = {"id": job["id"]}
         t = time.time()
         try:
@@ -203,18 +206,36 @@ def worker(args) -> None:
         rec["secs"] = round(time.time() - t, 1)
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        if "illegal" in rec.get("error", "").lower() or "cuda error" in rec.get("error", ""):
+        err = rec.get("error", "").lower()
+        if "illegal" in err or "cuda error" in err or "misaligned" in err:
             return  # (this process's CUDA context is gone: the rest of its jobs go unchecked)
 
 
+def _read_checks(path):
+    """``(results by id, the id started last without a result or None, its start time)``."""
+    done, started = {}, {}
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                rec = json.loads(line)
+            except ValueError:  # (a line cut by a kill)
+                continue
+            if "start" in rec:
+                started[rec["id"]] = rec["start"]
+            else:
+                done[rec.pop("id")] = rec
+    pending = [(k, t) for k, t in started.items() if k not in done]
+    return done, *(pending[-1] if pending else (None, None))
+
+
 def run_checks(args, jobs, deadline) -> dict:
-    """Check ``jobs`` in ``--workers`` processes until ``deadline``; a job left unchecked by a
-    worker that died or ran out of time is retried once in a new process if time remains."""
+    """Check ``jobs`` in ``--workers`` processes until ``deadline``. A job running longer than
+    ``--job-limit-s`` (a hang: e.g. a TMA barrier that never completes) is recorded as such and
+    its worker killed; jobs a dead or killed worker left go to new processes while that makes
+    progress."""
     results: dict = {}
     todo = list(jobs)
-    for _ in range(2):
-        if not todo or time.time() > deadline - 10:
-            break
+    while todo and time.time() < deadline - 10:
         with open(os.path.join(args.out, "sweep_jobs.json"), "w") as f:
             json.dump(todo, f)
         for p in os.listdir(args.out):
@@ -227,21 +248,32 @@ def run_checks(args, jobs, deadline) -> dict:
             logf = open(os.path.join(args.out, f"worker_{i}.log"), "a")
             procs.append(subprocess.Popen(cmd + ["--worker", f"{i}/{nw}"], stdout=logf,
                                           stderr=subprocess.STDOUT))  # fmt: skip
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for i in range(nw):
-            path = os.path.join(args.out, f"sweep_check_{i}.jsonl")
-            if os.path.exists(path):
-                for line in open(path):
-                    rec = json.loads(line)
-                    results[rec.pop("id")] = rec
-        todo = [j for j in todo if j["id"] not in results]
+        paths = [os.path.join(args.out, f"sweep_check_{i}.jsonl") for i in range(nw)]
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.5)
+            for p, path in zip(procs, paths, strict=True):
+                if p.poll() is not None:
+                    continue
+                _, job, since = _read_checks(path)
+                late = job is not None and time.time() - since > args.job_limit_s
+                if late or time.time() > deadline:
+                    p.kill()
+                    p.wait()
+                    if job is not None:
+                        why = "hung" if late else "cut by the check deadline"
+                        results[job] = {"ok": False, "error": f"{why} after "
+                                        f"{time.time() - since:.0f} s (worker killed)"}  # fmt: skip
+        for path in paths:
+            done, job, since = _read_checks(path)
+            results.update(done)
+            if job is not None and job not in results:  # (its worker died inside it)
+                results[job] = {"ok": False, "error": "the worker died in this check"}
+        left = [j for j in todo if j["id"] not in results]
+        if len(left) == len(todo):  # (no progress: do not spin)
+            break
+        todo = left
     for j in todo:
-        results[j["id"]] = {"ok": False, "error": "unchecked (out of time or the worker died)"}
+        results[j["id"]] = {"ok": False, "error": "unchecked (out of time)"}
     return results
 
 
@@ -267,6 +299,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 4) - 2)))
     ap.add_argument("--only", default="", help="comma list: variant names to keep (+ default)")
+    ap.add_argument("--job-limit-s", type=float, default=60.0, help="a check's wall limit")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
