@@ -11,8 +11,14 @@ Why: at head_dim 64 a token row of one KV head is 64 bytes (fp8) or 32 + 4 (FP4)
 16-token tile moves 1-2 KiB and the fixed cost of a step (a page id load, two barriers, the
 copy issue and wait, a cross-lane max and sum, the lazy-rescale test) dominates: the measured
 kernels ran fp8 at 2.47 TB/s and nvfp4 at 2.25 TB/s of their bytes (run 13, H200, B=64 x 8k)
-against ~4 TB/s for bf16 with the same structure and twice the bytes per tile. This kernel
-amortizes those costs:
+against ~4 TB/s for bf16 with the same structure and twice the bytes per tile. Bytes in flight
+are not the limit: 4 splits put 15.5 one-warp programs on an SM, each with 2 tiles (4 KiB of
+fp8) in its 3-stage ring, 62 KiB per SM against the ~30 KiB that 4 TB/s needs at ~1 us of
+latency. Each program's step is: 128 tiles in 0.216 ms, 1.7 us (~3,300 cycles) per tile for
+~210 SASS instructions, the SM issuing ~1 of its 4 instructions a cycle: a serial chain per tile
+(copy wait, shared loads, 12 MMAs, shuffles for the row max, the lazy-rescale test and the row
+sum, exp2s, a page id loaded one tile ahead) at any head_dim, so bytes per step set the rate
+(head_dim 128: 1.58 us per 4 KiB tile). This kernel puts more bytes in each step:
 
 - ``SUB`` (1, 2, 4) 16-token tiles per ring stage: one barrier pair, one copy wait and one row
   max (taken over the tiles' scores elementwise first) per ``16 SUB`` tokens; the tiles' QK and

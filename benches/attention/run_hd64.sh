@@ -17,7 +17,7 @@ timeout $(( ${BUDGET:-200} + 40 )) python3 benches/attention/sweep_hd64.py --out
   --budget-s "${BUDGET:-200}" 2>&1 | tee "$OUT/sweep.log" | grep -v "^  File\|^    " | tail -70
 echo "sweep done at +$(( $(date +%s) - T0 ))s"
 if [ "${TESTS-x}" != "none" ]; then
-  OUT=$OUT NPROC=${NPROC:-8} FILES=tests/test_gluon_knobs.py TESTS="${TESTS:-}" \
+  OUT=$OUT NPROC=${NPROC:-12} FILES=tests/test_gluon_knobs.py TESTS="${TESTS:-}" \
     TEST_TIMEOUT=${TEST_TIMEOUT:-270} bash benches/attention/run_gpu_tests.sh 2>&1 | tail -40
 fi
 echo "all done at +$(( $(date +%s) - T0 ))s"

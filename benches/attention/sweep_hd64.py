@@ -417,35 +417,44 @@ def _best(rs):
     return min(timed, key=lambda r: r["time_ms"]) if timed else None
 
 
+def _row(r) -> str:
+    c = r.get("check", {})
+    note = r.get("error") or c.get("error") or ("window 128" if r.get("window") else "")
+    ms = r.get("time_ms")
+    return (
+        f"| {r['dtype']} | {r['variant']} | {r.get('splits', '')} | "
+        f"{'' if ms is None else f'{ms:.4f}'} | {r.get('ratio', 0):.2f} | "
+        f"{r.get('TBps', 0):.2f} | {c.get('max_abs', float('nan')):.2e} | "
+        f"{c.get('rel', float('nan')):.1e} | {note[:70]} |"
+    )
+
+
 def finish(args, records, t0) -> None:
+    """``sweep_hd64.json`` and ``.md`` (every record); printed: the default and the six
+    fastest of each dtype, the variants that failed, the best per dtype."""
     sdpa = getattr(args, "sdpa_ms", None)
     with open(os.path.join(args.out, "sweep_hd64.json"), "w") as f:
         json.dump({"sdpa_ms": sdpa, "shape": args.shape, "records": records}, f, indent=1)
-    rows = ["| dtype | variant | splits | ms | x SDPA | TB/s | max abs err | rel | note |",
+    head = ["| dtype | variant | splits | ms | x SDPA | TB/s | max abs err | rel | note |",
             "|" + "---|" * 9]  # fmt: skip
-    for r in records:
-        c = r.get("check", {})
-        note = r.get("error") or c.get("error") or ("window 128" if r.get("window") else "")
-        ms = r.get("time_ms")
-        rows.append(
-            f"| {r['dtype']} | {r['variant']} | {r.get('splits', '')} | "
-            f"{'' if ms is None else f'{ms:.4f}'} | {r.get('ratio', 0):.2f} | "
-            f"{r.get('TBps', 0):.2f} | {c.get('max_abs', float('nan')):.2e} | "
-            f"{c.get('rel', float('nan')):.1e} | {note[:60]} |"
-        )
-    lines = ["", "best per dtype (full-attention layer):"]
+    short = list(head)
+    lines = ["", f"best per dtype (full-attention layer; SDPA {sdpa} ms):"]
     for dtype in args.dtypes.split(","):
         rs = [r for r in records if r["dtype"] == dtype]
+        timed = sorted((r for r in rs if r.get("time_ms") and not r.get("window")),
+                       key=lambda r: r["time_ms"])  # fmt: skip
         best, dflt = _best(rs), _default(rs)
+        keep = timed[:6] + [dflt] + [r for r in rs if r.get("window")]
+        short += [_row(r) for r in {id(r): r for r in keep if r}.values()]
+        bad = [r["variant"] for r in rs if not r.get("time_ms") and not r.get("window")]
+        if bad:
+            short.append(f"| {dtype} | not timed ({len(bad)}): {', '.join(bad)[:300]} |")
         if best is None:
             lines.append(f"  {dtype}: nothing timed")
             continue
         want = TARGETS.get(dtype)
-        gain = (
-            ""
-            if not dflt or not dflt.get("time_ms")
-            else (f", default {dflt['time_ms']:.4f} ms ({dflt['ratio']:.2f}x)")
-        )
+        gain = "" if not dflt or not dflt.get("time_ms") else (
+            f", default {dflt['time_ms']:.4f} ms ({dflt['ratio']:.2f}x)")  # fmt: skip
         lines.append(
             f"  {dtype}: {best['variant']} splits {best['splits']}: {best['time_ms']:.4f} ms "
             f"{best['ratio']:.2f}x SDPA{'' if want is None else f' (target {want}x)'}{gain}"
@@ -454,10 +463,11 @@ def finish(args, records, t0) -> None:
             kn = ", ".join(f"{k}={v!r}" for k, v in best["knobs"].items())
             lines.append(f"    gluon_knobs.HD64_DEFAULTS[{dtype!r}] = GluonKnobs({kn})"
                          f"  # + num_splits {best['splits']} if the planner differs")  # fmt: skip
-    text = "\n".join(rows) + "\n" + "\n".join(lines) + "\n"
+    tail = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "sweep_hd64.md"), "w") as f:
-        f.write(f"SDPA {sdpa} ms, shape {args.shape}, {time.time() - t0:.0f} s\n\n" + text)
-    log(text)
+        f.write(f"SDPA {sdpa} ms, shape {args.shape}, {time.time() - t0:.0f} s\n\n")
+        f.write("\n".join(head + [_row(r) for r in records]) + "\n" + tail)
+    log("\n".join(short) + "\n" + tail)
     log(f"done in {time.time() - t0:.0f} s")
 
 
