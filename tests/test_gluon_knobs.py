@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attention_helpers import TOL, Cache, rel_err, run_decode  # noqa: E402
 from kvpool import attention  # noqa: E402
 from kvpool.attention import gluon_knobs as gk  # noqa: E402
 from kvpool.attention import replay, variants  # noqa: E402
 from kvpool.attention.gluon_knobs import GluonKnobs  # noqa: E402
-from attention_helpers import TOL, Cache, rel_err, run_decode  # noqa: E402
 
 GLUON = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16", "nvfp4", "fp4_mx_block16")
 FP4 = ("nvfp4", "fp4_mx_block16")
@@ -180,6 +180,25 @@ def test_env_and_table(as_if_on_gpu, monkeypatch):
     monkeypatch.setenv(gk.KNOBS_ENV, "bogus")
     with pytest.raises(ValueError, match="gluon knobs 'bogus': bad item"):
         attention.plan_decode(c.view, 64, pt, sl)
+
+
+def test_sweep_variants_fit(as_if_on_gpu):
+    """Every variant ``benches/attention/sweep_hd64.py`` times is a plan at gpt-oss geometry
+    (named once per dtype), so a sweep run spends no check on a refusal."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benches", "attention"))
+    import sweep_hd64
+
+    pt, sl = _batch()
+    for dtype in sweep_hd64.DTYPES:
+        c = Cache(dtype, [40, 3], heads=8, d=64, page=16)
+        names = [n for n, _ in sweep_hd64.variants_for(dtype)]
+        assert len(names) == len(set(names)) and names[0] == "default", names
+        for name, kw in sweep_hd64.variants_for(dtype)[1:]:
+            p = attention.plan_decode(c.view, 64, pt, sl, max_seq_len=8192, gluon_knobs=kw)
+            assert p.knobs.label() == name and 1 <= p.num_splits <= 8, (name, p.num_splits)
 
 
 def test_replay_key_holds_the_knobs(as_if_on_gpu):
