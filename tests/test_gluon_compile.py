@@ -50,11 +50,19 @@ def compile_sm90(module: str, consts: dict):
 
     fn = importlib.import_module(f"kvpool.triton_kernels.{module}").decode_kernel
     consts = dict(consts)
+    for prm in fn.params:  # (constexprs left at their defaults are constants too)
+        if prm.is_constexpr and prm.name not in consts:
+            consts[prm.name] = prm.default
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in ("KD", "VD"):
             if consts.get("TMA"):
-                w = consts["D"] // 2
+                # the box: 16 rows of a head's bytes (FP4 D / 2, fp8 D, 16-bit 2 D)
+                w = (
+                    consts["D"] // 2
+                    if consts.get("FP4", module.endswith("fp4"))
+                    else (consts["D"] * (2 if consts.get("WIDE") else 1))
+                )
                 sw = w if w >= 64 else 0  # (as launch_decode._tma_desc)
                 lay = gl.NVMMASharedLayout(swizzle_byte_width=sw, element_bitwidth=8, rank=2)
                 sig[n] = f"tensordesc<u8[16, {w}],{lay!r}>"
@@ -148,3 +156,100 @@ def test_head_dim_256_group_16_spills_or_fills(dtype):
     module, consts = launch_consts(dtype, 256, 16, False, 16)
     res = resources(compile_sm90(module, consts))
     assert res["REG"] == 255 and (res["STACK"] > 0 or dtype == "fp8_e4m3"), res
+
+
+# --- knobs (attention/gluon_knobs.py): the sweep's variants and the GPU tests' -------------
+
+_SWEEP = os.path.join(os.path.dirname(__file__), "..", "benches", "attention")
+
+
+def knob_consts(dtype: str, d: int, g: int, knobs, options: bool) -> tuple[str, dict, int]:
+    """The kernel, constants and split-model programs per SM of a plan with ``knobs`` (as
+    ``_gluon_plan`` and the launchers derive them); ``options``: sinks, window, soft-cap and one
+    split, else sinks only and several splits (the sweep's calls)."""
+    from attention_helpers import Cache
+    from kvpool.attention import gluon_knobs as gk
+
+    view = Cache(dtype, [40, 3], heads=8, d=d, page=16).view
+    assert gk.knobs_unfit(view, g, knobs) is None, knobs
+    fp4 = dtype in ("nvfp4", "fp4_mx_block16")
+    stages, per_sm, maxnreg = variants._gluon_config(dtype)
+    per_sm = variants._gluon_programs_per_sm(view, g)
+    block_n = 32 if fp4 and stages > 0 and d != 128 else 16
+    stages, block_n, per_sm, maxnreg = gk.plan_fields(
+        view, g, knobs, stages, per_sm, maxnreg, block_n
+    )
+    if knobs.multi:
+        consts = gk.multi_constants(
+            dtype, d, g, knobs, stages=stages, block_n=block_n, final=options, softcap=options,
+            window=options, sinks=True,
+        )  # fmt: skip
+        return "decode_gluon_multi", consts, per_sm
+    module, consts = launch_consts(dtype, d, g, options, 16)
+    consts["HAS_SINKS"] = True
+    if knobs.rescale is not None:
+        consts["RESCALE"] = float(knobs.rescale)
+    if fp4:
+        ring = stages > 0
+        consts.update(STAGES=stages, SUB=block_n // 16 if ring else 1)
+        consts["TMA"] = ring and (consts["TMA"] if knobs.tma is None else knobs.tma)
+    else:
+        consts.update(STAGES=stages, PREFETCH=stages == 0)
+    return module, consts, per_sm
+
+
+def _knob_cases():
+    import sys
+
+    from kvpool.attention.gluon_knobs import GluonKnobs
+
+    sys.path.insert(0, _SWEEP)
+    import sweep_hd64
+    from test_gluon_knobs import GLUON, MULTI
+
+    seen = set()
+    for dtype in sweep_hd64.DTYPES:  # the sweep's calls: sinks, several splits
+        for _name, kw in sweep_hd64.variants_for(dtype):
+            if kw is not None:
+                seen.add((dtype, 64, 8, GluonKnobs(**kw), False))
+    for dtype in GLUON:  # the GPU tests': every option, one split
+        for k in MULTI:
+            seen.add((dtype, 64, 8, k, True))
+        for text in ("stages=2", "stages=5", "stages=3,rescale=8", "stages=4,rescale=-1",
+                     "stages=0"):  # fmt: skip
+            seen.add((dtype, 64, 8, GluonKnobs(**_kv(text)), True))
+        if dtype in ("nvfp4", "fp4_mx_block16"):
+            for text in ("sub=1,stages=3", "sub=2,stages=3,tma=0", "sub=1,stages=4,tma=1"):
+                seen.add((dtype, 64, 8, GluonKnobs(**_kv(text)), True))
+    for dtype in ("fp8_e4m3", "bf16", "nvfp4", "fp4_mx_block16"):  # their other geometries
+        seen.add((dtype, 64, 4, GluonKnobs(multi=True, sub=2, heads=2), True))
+        seen.add((dtype, 64, 16, GluonKnobs(multi=True, sub=4, stages=2), True))
+        if dtype != "bf16":
+            seen.add((dtype, 128, 4, GluonKnobs(multi=True, sub=2, heads=2), True))
+            seen.add((dtype, 128, 4, GluonKnobs(multi=True, sub=1, stages=4, tma=False), True))
+    return sorted(seen, key=repr)
+
+
+def _kv(text):
+    from kvpool.attention.gluon_knobs import parse_knobs
+
+    k = parse_knobs(text)
+    return {f: getattr(k, f) for f in ("stages", "sub", "tma", "rescale")}
+
+
+@pytest.mark.parametrize(
+    "dtype, d, g, knobs, options",
+    _knob_cases() if _VER in variants.GLUON_TRITON else [],
+    ids=lambda x: x.label() if hasattr(x, "label") else str(x),
+)
+def test_knob_variants_compile(dtype, d, g, knobs, options):
+    """Every knob variant the sweep times and the GPU tests run builds for sm_90 within the
+    resources the split model assumes (as ``test_compiles_within_resources``)."""
+    module, consts, per_sm = knob_consts(dtype, d, g, knobs, options)
+    k = compile_sm90(module, consts)
+    res = resources(k)
+    assert res["REG"] <= 255 and res["STACK"] == 0 and res["LOCAL"] == 0, res
+    assert k.metadata.shared <= SMEM_MAX, k.metadata.shared
+    regs = -(-res["REG"] // 8) * 8 * 32
+    fit = min(65536 // regs, (228 * 1024) // (k.metadata.shared + 1024))
+    assert fit >= per_sm, (res, k.metadata.shared, fit, per_sm)

@@ -35,7 +35,10 @@ Layout of the package (each file one job):
 - ``launch_decode`` / ``launch_extend``: the entry points :func:`decode` / :func:`extend`.
 - ``mla``: the same two over an MLA latent cache (:func:`mla_decode`, :func:`mla_extend`).
 - ``reference``: the torch reference paths; ``variants``: which kernel variant runs a layer
-  (the Gluon kernels' fit, capability checks, measured tables); ``checks``: argument checks;
+  (the Gluon kernels' fit, capability checks, measured tables); ``gluon_knobs``:
+  :class:`GluonKnobs`, a Gluon decode variant (ring depth, tiles a stage, KV heads a program;
+  ``plan_decode(..., gluon_knobs=)``) and the launch of ``decode_gluon_multi``; ``checks``:
+  argument checks;
   ``_common``: dtype tables and kernel arguments.
 
 Module switches (``_MERGE_PDL``, the ``_GLUON_*`` tables, ``_num_sms``) live in the module that
@@ -75,6 +78,7 @@ from kvpool.attention.checks import (  # noqa: F401
     _sm_scale,
     _use_triton,
 )
+from kvpool.attention.gluon_knobs import GluonKnobs
 from kvpool.attention.launch_decode import (  # noqa: F401
     _MERGE_PDL,
     _has_tma,
@@ -143,6 +147,7 @@ __all__ = [
     "MLA_ROPE_DIM",
     "DecodePlan",
     "ExtendPlan",
+    "GluonKnobs",
     "MLADecodePlan",
     "MLAExtendPlan",
     "decode",

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvpool import _launch
 from kvpool._host import as_device_tensor
 from kvpool._torch import torch
-from kvpool.attention import replay, variants
+from kvpool.attention import gluon_knobs, replay, variants
 from kvpool.attention._common import (
     _FP4,
     _KERNEL_FORMAT,
@@ -194,6 +194,9 @@ def decode(
     # a plan may come from a view of another dtype or geometry (it is shared across layers)
     if plan.gluon and (unfit := _gluon_unfit(view, g)) is not None:
         raise ValueError(f"`plan` uses the Gluon kernel, which does not run {unfit}")
+    if plan.gluon and plan.knobs is not None:
+        if (unfit := gluon_knobs.knobs_unfit(view, g, plan.knobs)) is not None:
+            raise ValueError(f"`plan` uses the Gluon kernel, which does not run {unfit}")
     if not plan.gluon:  # (the Gluon kernel's 16-token tiles are its own code)
         _check_fp4_tile(view, plan.block_n)
     if plan.num_splits > 1 and (
@@ -362,6 +365,14 @@ def _launch_gluon(
     head fastest in the grid (batch on grid y) up to 65,535 requests, the grid's y limit;
     larger batches keep the batch on x.
     """
+    knobs = plan.knobs
+    if knobs is not None and knobs.multi:
+        gluon_knobs.launch_multi(
+            view, q, page_table, seq_lens, plan, out, scale, softcap, window, sinks, calls=calls
+        )
+        return
+    # (the measured kernels: knobs override their TMA choice and lazy-rescale threshold)
+    rescale = {} if knobs is None or knobs.rescale is None else {"RESCALE": float(knobs.rescale)}
     bsz, hq, _ = q.shape
     s = plan.num_splits
     head = (q, view.k, view.v)
@@ -414,6 +425,8 @@ def _launch_gluon(
                 "kernel's ring (pages of >= 16 tokens, 16-byte aligned scale rows)"
             )
         hf, ablate, use_tma, _ = variants._GLUON_FP4_OPTIONS
+        if knobs is not None and knobs.tma is not None:
+            use_tma = knobs.tma
         hf = hf and bsz <= 65535
         # plan.block_n: 16 or 32 tokens per ring stage (register prefetch: 16)
         if plan.block_n not in (16, 32):
@@ -432,12 +445,13 @@ def _launch_gluon(
             *head, kbs, vbs, ksc, vsc, *tail, kbs.stride(0), vbs.stride(0), *rest,
             DEC_K=dec[0], DEC_V=dec[1], PAGED=paged,
             STAGES=plan.num_stages if ring else 0, HEAD_FAST=hf,
-            ABLATE=ablate, **extra, **opts,
+            ABLATE=ablate, **extra, **opts, **rescale,
         )  # fmt: skip
         return
     from kvpool.triton_kernels.decode_gluon import decode_kernel
 
-    paged, rescale, hf = variants._GLUON_FP8_OPTIONS[view.dtype]
+    paged, lazy, hf = variants._GLUON_FP8_OPTIONS[view.dtype]
+    lazy = rescale.get("RESCALE", lazy)
     hf = hf and bsz <= 65535
     grid = (view.num_kv_heads, bsz, s) if hf else (bsz, view.num_kv_heads, s)
     # 16-bit caches (WIDE 1 fp16, 2 bf16): no scales (placeholders)
@@ -447,7 +461,7 @@ def _launch_gluon(
         calls, decode_kernel, grid,
         *head, ksc, vsc, *tail, *rest, WIDE=wide,
         PREFETCH=plan.prefetch, STAGES=0 if plan.prefetch else plan.num_stages,
-        E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=rescale,
+        E5M2=view.dtype == "fp8_e5m2", PAGED=paged and view.page_size >= 16, RESCALE=lazy,
         HEAD_FAST=hf, **opts,
     )  # fmt: skip
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from kvpool._host import as_device_tensor
 from kvpool._torch import torch
+from kvpool.attention import gluon_knobs as knobs_mod
 from kvpool.attention import splits, variants
 from kvpool.attention._common import _FP4, _pow2
 from kvpool.attention.checks import (
@@ -18,6 +19,7 @@ from kvpool.attention.checks import (
     _check_view,
     _group,
 )
+from kvpool.attention.gluon_knobs import GluonKnobs
 from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
@@ -89,7 +91,12 @@ class DecodePlan:
         The kernel variant that runs, so a fallback is never silent: ``"gluon_fp8"``,
         ``"gluon_fp4"`` (the Gluon kernels at head_dim 128 with a group of <= 8), the same with
         ``"_hd64"`` / ``"_hd256"`` and ``"_g16"`` (groups of 9..16) appended, ``"gluon_bf16_hd64"``
-        / ``"gluon_fp16_hd64"``, or ``"triton_generic"`` (``decode.decode_kernel``).
+        / ``"gluon_fp16_hd64"``, or ``"triton_generic"`` (``decode.decode_kernel``); ``"_multi"``
+        appended for ``decode_gluon_multi.py`` (``knobs.multi``).
+    knobs : GluonKnobs or None
+        The Gluon variant's knobs (:mod:`kvpool.attention.gluon_knobs`; None: the measured
+        kernels' defaults). ``block_n`` is then the tokens of a ring stage (16 per tile) and
+        ``num_stages`` the ring's stages.
     """
 
     page_table: torch.Tensor
@@ -110,6 +117,7 @@ class DecodePlan:
     part_lse: torch.Tensor | None
     gluon: bool = False
     kernel: str = "triton_generic"
+    knobs: GluonKnobs | None = None
 
 
 def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
@@ -125,10 +133,11 @@ def _split_workspace(b: int, hq: int, splits: int, dv: int, dev: torch.device):
     )
 
 
-def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> DecodePlan:
+def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits, knobs=None) -> DecodePlan:
     """:func:`plan_decode` for the Gluon kernel (one warp per program).
 
-    ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles.
+    ``block_n`` is 16, or 32 for FP4 ring stages of two 16-token tiles; ``knobs``
+    (:class:`GluonKnobs`, checked by the caller) override the ring and the split model.
     """
     b, dev = page_table.shape[0], view.k.device
     stages, per_sm, maxnreg = variants._gluon_config(view.dtype)
@@ -163,6 +172,15 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
             num_splits = default_splits(
                 b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
             )
+    name = variants._gluon_kernel_name(view, group)
+    if knobs is not None:
+        stages, block_n, per_sm, maxnreg = knobs_mod.plan_fields(
+            view, group, knobs, stages, per_sm, maxnreg, block_n
+        )
+        if given is None:
+            heads = view.num_kv_heads // knobs.heads
+            num_splits = default_splits(b, heads, ctx, dev, block_n, 1, per_sm, _GLUON_OVERHEAD)
+        name += "_multi" if knobs.multi else ""
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
     return DecodePlan(
         page_table=page_table,
@@ -182,7 +200,8 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
         part_out=part_out,
         part_lse=part_lse,
         gluon=True,
-        kernel=variants._gluon_kernel_name(view, group),
+        kernel=name,
+        knobs=knobs,
     )
 
 
@@ -217,6 +236,7 @@ def plan_decode(
     ablate: int = 0,
     gluon: bool | None = None,
     kv_lora_rank: int | None = None,
+    gluon_knobs: GluonKnobs | dict | str | None = None,
 ) -> DecodePlan | MLADecodePlan:
     """Plan :func:`decode` for one batch (any layer with ``view``'s geometry may use it).
 
@@ -278,6 +298,12 @@ def plan_decode(
         64 / 256 and groups of 9..16 (issue 17) are compiled and checked for sm_90 on the CPU
         (``tests/test_gluon_compile.py``), not yet measured on a GPU.
 
+    gluon_knobs : GluonKnobs, dict or str, optional
+        A Gluon decode variant (:mod:`kvpool.attention.gluon_knobs`: ring stages, tiles a
+        stage, KV heads a program, TMA, ...): implies ``gluon=True``; ValueError where it
+        cannot run. Default: ``KVPOOL_GLUON_KNOBS`` or the measured head_dim-64 table where
+        they fit the layer, else the kernels' defaults.
+
     Returns
     -------
     DecodePlan
@@ -302,7 +328,7 @@ def plan_decode(
     if view.v is None:
         _refuse_knobs(
             use_dot=use_dot, prefetch=prefetch, swap=swap, group_pad=group_pad, maxnreg=maxnreg,
-            ablate=ablate or None, gluon=gluon,
+            ablate=ablate or None, gluon=gluon, gluon_knobs=gluon_knobs,
         )  # fmt: skip
         return plan_mla_decode(
             view, num_q_heads, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
@@ -332,6 +358,10 @@ def plan_decode(
     given = [k for k, v in knobs.items() if v is not None]
     if gluon is not None and not isinstance(gluon, bool):
         raise ValueError(f"`gluon` = {gluon!r}: must be a bool or None")
+    if gluon_knobs is not None:
+        if gluon is False:
+            raise ValueError("`gluon_knobs` are options of the Gluon kernel (`gluon=False` given)")
+        gluon = True
     unfit = _gluon_unfit(view, g)
     if gluon is None:
         # fp8, run 7 grid (H200): 7-14% faster than the Triton kernel from 8k tokens on at
@@ -346,7 +376,8 @@ def plan_decode(
     elif gluon and given:
         raise ValueError(f"`gluon=True` takes no Triton kernel options, got {', '.join(given)}")
     if gluon:
-        return _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits)
+        knobs = knobs_mod.pick(view, g, gluon_knobs)
+        return _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits, knobs)
     if use_dot is None:
         use_dot = True
     # Measured on the H200 (benches/attention, run 5 at B=64/8k): fp8 is fastest with the word

@@ -37,7 +37,7 @@ _VIEW = attrgetter(*_VIEW_FIELDS)
 _PLAN_TENSORS = attrgetter("page_table", "seq_lens", "part_out", "part_lse")
 _PLAN_OPTIONS = attrgetter("num_q_heads", "num_splits", "block_n", "num_warps", "num_stages",
                            "use_dot", "prefetch", "asm", "swap", "ablate", "group_pad",
-                           "maxnreg", "gluon", "kernel")  # fmt: skip
+                           "maxnreg", "gluon", "kernel", "knobs")  # fmt: skip
 
 
 class DecodeRecord:
