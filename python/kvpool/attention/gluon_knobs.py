@@ -135,10 +135,17 @@ def as_knobs(value) -> GluonKnobs | None:
     raise ValueError(f"`gluon_knobs` = {value!r}: a GluonKnobs, dict, str or None")
 
 
-#: Measured per-dtype defaults at head_dim 64 with groups <= 8 (gpt-oss), filled from GPU
-#: sweeps (``benches/attention/sweep_hd64.py``); a dtype not listed keeps the measured kernels'
-#: defaults. Not measured yet: empty.
-HD64_DEFAULTS: dict[str, GluonKnobs] = {}
+#: Measured per-dtype defaults at head_dim 64 with groups <= 8 (gpt-oss), from GPU sweeps
+#: (``benches/attention/sweep_hd64.py``); a dtype not listed keeps the measured kernels'
+#: defaults. Run 14 (H200, gpt-oss-120b full layer, B=64 x 8k, page 16, the planner's splits,
+#: against SDPA bf16 0.257 ms): two KV heads a program, two 16-token tiles a stage, two TMA
+#: stages: fp8_e4m3 0.157 ms (1.64x; the old default 0.232 ms), nvfp4 0.124 ms (2.07x; 0.133),
+#: bf16 0.264 ms (0.97x; 0.284), fp4_mx_block16 0.150 ms (1.71x; 0.161). fp16 runs bf16's kernel;
+#: fp8_e5m2 was not swept (keeps the old default).
+_HD64_BEST = GluonKnobs(multi=True, sub=2, heads=2, stages=2)
+HD64_DEFAULTS: dict[str, GluonKnobs] = {
+    d: _HD64_BEST for d in ("bf16", "fp16", "fp8_e4m3", "nvfp4", "fp4_mx_block16")
+}
 
 
 def _bad_type(k: GluonKnobs) -> str | None:
