@@ -309,7 +309,15 @@ def softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
         return qk * (qk_scale * 1.4426950408889634)
 
 
-@triton.jit
+# Step-dependent ints are not specialized (an int of 1 becomes a constant, others carry their
+# divisibility by 16): the page-table width, the split count and the window may change from one
+# serving step to the next, and each change would compile a new kernel (issue 22). The pool's
+# strides, q/out strides (fixed per model) and page_shift stay specialized.
+DO_NOT_SPECIALIZE = ("stride_pt", "window", "num_splits")
+MERGE_DO_NOT_SPECIALIZE = ("num_splits",)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def decode_kernel(
     Q,
     K,
@@ -577,7 +585,7 @@ def decode_kernel(
         tl.store(PL + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_DO_NOT_SPECIALIZE)
 def merge_kernel(
     PO,
     PL,
