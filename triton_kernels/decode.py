@@ -15,7 +15,8 @@ into the folded factors for nvfp4 and into the power-of-two block scale for mx.
 
 Masking: token positions are clamped to ``[start, end)`` with ``end <= seq_len`` and every load
 (page-table entries, K, V, block scales) is masked by it, so no slot past ``seq_len`` is read and
-no page-table entry past ``ceil(seq_len / page_size)`` is dereferenced (KVB-16, docs/architecture.md).
+no page-table entry past ``ceil(seq_len / page_size)`` is dereferenced (KVB-16,
+docs/architecture.md).
 """
 
 import triton
