@@ -76,12 +76,26 @@ class ModelRunner:
 
     def __init__(self, model: Llama, pool: Any):
         self.model, self.pool = model, pool
+        self._host_cu: tuple[Step, np.ndarray] | None = None  # (last upload, its cu_seqlens_q)
 
     def prepare(self, pages: list[np.ndarray], cached: list[int], new: list[int]) -> Step:
         # kvpool's Rust batch helpers build the [B, max_pages] int32 page table
         # (kvpool.page_table) and the slot of every new token, page * page_size + offset
         # (kvpool.extend_slots); positions, seq_lens and cu_seqlens_q come with them.
-        return Step.build(pages, cached, new, self.pool.page_size, device=self.model.device)
+        return self.upload(Step.build(pages, cached, new, self.pool.page_size))
+
+    def upload(self, step: Step) -> Step:
+        """A host step on the model's device: one pinned buffer, one copy, no sync (the five
+        tensors are views of one device buffer); its cu_seqlens_q stays known on the host, so
+        ``plan_extend`` reads no device value."""
+        if self.model.device.type == "cpu":
+            return step
+        host = [t.numpy() for t in (step.positions, step.out_loc, step.page_table,
+                                    step.seq_lens, step.cu_seqlens_q)]  # fmt: skip
+        pos, loc, pt, sl, cu = kvpool.to_device_packed(host, self.model.device)
+        out = Step(positions=pos, out_loc=loc, page_table=pt, seq_lens=sl, cu_seqlens_q=cu)
+        self._host_cu = (out, host[4])
+        return out
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
@@ -96,9 +110,12 @@ class ModelRunner:
             from kvpool import attention
 
             view = pool.layer(pool.layers[0])
-            make = attention.plan_decode if step.is_decode else attention.plan_extend
-            args = () if step.is_decode else (step.cu_seqlens_q,)
-            kw["plan"] = make(view, m.hq, *args, step.page_table, step.seq_lens)
+            if step.is_decode:
+                kw["plan"] = attention.plan_decode(view, m.hq, step.page_table, step.seq_lens)
+            else:
+                host = self._host_cu[1] if self._host_cu and self._host_cu[0] is step else None
+                kw["plan"] = attention.plan_extend(view, m.hq, step.cu_seqlens_q, step.page_table,
+                                                   step.seq_lens, host_cu_seqlens_q=host)  # fmt: skip
         else:
             kw |= batch
         attend = pool.decode if step.is_decode else pool.extend

@@ -95,11 +95,8 @@ def _forward(engine: Any, pages: list[np.ndarray], cached: list[int], new: list[
                 page_table=torch.zeros(len(pages), w, dtype=torch.int32),
                 seq_lens=torch.from_numpy((pre + ext).astype(np.int32)),
                 cu_seqlens_q=torch.from_numpy(cu))  # fmt: skip
-    dev = engine.model.device
-    if dev.type != "cpu":
-        step = step.to(dev)
-    ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=dev)
-    engine.runner.run(ids, step)
+    ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=engine.model.device)
+    engine.runner.run(ids, engine.runner.upload(step))
 
 
 class gpu_timer:
