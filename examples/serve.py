@@ -114,8 +114,10 @@ class ModelRunner:
                 kw["plan"] = attention.plan_decode(view, m.hq, step.page_table, step.seq_lens)
             else:
                 host = self._host_cu[1] if self._host_cu and self._host_cu[0] is step else None
-                kw["plan"] = attention.plan_extend(view, m.hq, step.cu_seqlens_q, step.page_table,
-                                                   step.seq_lens, host_cu_seqlens_q=host)  # fmt: skip
+                kw["plan"] = attention.plan_extend(
+                    view, m.hq, step.cu_seqlens_q, step.page_table, step.seq_lens,
+                    host_cu_seqlens_q=host,
+                )  # fmt: skip
         else:
             kw |= batch
         attend = pool.decode if step.is_decode else pool.extend

@@ -44,6 +44,10 @@ from typing import Any
 
 #: Replay through the compiled kernel's launcher where possible (else the normal launch).
 FAST = True
+#: Device types whose records resolve the compiled kernel (``benches/step/bench_host.py``'s
+#: stub mode adds ``"cpu"``, with stand-in kernels and driver, to time the CUDA path's host
+#: side on a CPU).
+FAST_DEVICE_TYPES = ("cuda",)
 #: Record launches at all (False: every call checks and launches from scratch, as before
 #: records existed; ``benches/step/bench_host.py`` times the three ways).
 RECORD = True
@@ -76,10 +80,12 @@ _GENERATIONS = itertools.count(1)
 
 
 class Generation:
-    """Mixin of the objects records are made from (layer views, plans): every attribute set
-    gives the object a new generation ``_gen``, unique over all objects, so that a record made
-    at generation ``g`` is known valid while the object's ``_gen`` is still ``g`` (one int
-    compare per call instead of comparing every field by identity)."""
+    """Mixin of the objects records are made from (layer views, plans).
+
+    Every attribute set gives the object a new generation ``_gen``, unique over all objects,
+    so that a record made at generation ``g`` is known valid while the object's ``_gen`` is
+    still ``g`` (one int compare per call instead of comparing every field by identity).
+    """
 
     __slots__ = ()
 
@@ -174,7 +180,8 @@ class Launch:
             raise ValueError("a per-call argument passed by keyword cannot be replayed")
         self.full = self.subs = self.keep = self.launcher = self.function = self.meta = None
         self.stream, self.dev_index = None, getattr(device, "index", None)
-        if getattr(device, "type", None) == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if (getattr(device, "type", None) in FAST_DEVICE_TYPES
+                and os.environ.get("TRITON_INTERPRET") != "1"):  # fmt: skip
             try:
                 self._resolve(list(args), per_call)
             except Exception:  # another Triton's internals: the normal launch still works
@@ -226,8 +233,11 @@ class Launch:
         self.launch_normal(per_call)
 
     def launch_ptrs(self, stream: int, ptrs: Sequence[int | None]) -> None:
-        """The fast replay (only where :attr:`fast`): ``ptrs[j]`` is per-call tensor ``j``'s
-        ``data_ptr()`` (None for a placeholder), ``stream`` the raw CUDA stream."""
+        """The fast replay (only where :attr:`fast`).
+
+        ``ptrs[j]`` is per-call tensor ``j``'s ``data_ptr()`` (None for a placeholder),
+        ``stream`` the raw CUDA stream.
+        """
         a = self.full.copy()
         for i, j in self.subs:
             a[i] = ptrs[j]

@@ -167,9 +167,11 @@ class DecodeGraph:
         self._warned = False
 
     def _buffers(self, b: int) -> DecodeStatic:
-        """Static buffers of ``b`` requests, all padding (page 0, seq_len 1, slot 0): the
-        batch metadata and the numpy-typed inputs as views of one device buffer
-        (:meth:`_fill` copies a step in with one copy)."""
+        """Static buffers of ``b`` requests, all padding (page 0, seq_len 1, slot 0).
+
+        The batch metadata and the numpy-typed inputs are views of one device buffer
+        (:meth:`_fill` copies a step in with one copy).
+        """
         dev = self.device
         packed = [k for k, (_, d) in self.input_specs.items() if _numpy_dtype(d) is not None]
         specs = [((b, self.max_pages), np.int32), ((b,), np.int32), ((b,), np.int32)]

@@ -310,9 +310,10 @@ def _replay_write(layer, loc, k, v, backend, block_t, num_warps) -> bool:
     else:
         vp = v.data_ptr()
         vkey = (v.dtype, v.shape, v.stride(), v.get_device(), vp & 15)
+    # (= _write_key's, written out)
     key = ("write", (loc.dtype, loc.shape, loc.stride(), loc.get_device(), lp & 15),
            (k.dtype, k.shape, k.stride(), k.get_device(), kp & 15), vkey, v is k,
-           backend, block_t, num_warps)  # fmt: skip  (= _write_key)
+           backend, block_t, num_warps)  # fmt: skip
     try:
         rec = recs.get(key)
     except TypeError:  # (an unhashable option: checked and refused as usual)

@@ -10,6 +10,8 @@ import math
 import numbers
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool._args import as_index
 from kvpool._torch import torch
 from kvpool.attention._common import _FP4, _KERNEL_FORMAT, _Q_DTYPES, _STORAGE
@@ -193,6 +195,24 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int | None) -> None:
     if rows is not None and int(cu[-1]) != rows:
         raise ValueError(
             f"`cu_seqlens_q[{len(cu) - 1}]` = {int(cu[-1])}: must equal T = {rows}, the rows of `q`"
+        )
+
+
+def _check_cu_seqlens_host(cu: np.ndarray) -> None:
+    """:func:`_check_cu_seqlens` of a numpy ``cu_seqlens_q`` (no ``rows``), in numpy.
+
+    A plan's one read of it (torch ops on small CPU tensors cost microseconds each).
+    """
+    if cu.shape[0] == 0:
+        raise ValueError("`cu_seqlens_q` is empty: it needs B + 1 entries, from 0")
+    if cu[0] != 0:
+        raise ValueError(f"`cu_seqlens_q[0]` = {int(cu[0])}: must be 0 (non-decreasing from 0)")
+    drop = np.flatnonzero(cu[1:] < cu[:-1])
+    if drop.size:
+        i = int(drop[0]) + 1
+        raise ValueError(
+            f"`cu_seqlens_q[{i}]` = {int(cu[i])} is less than `cu_seqlens_q[{i - 1}]` = "
+            f"{int(cu[i - 1])}: must be non-decreasing"
         )
 
 

@@ -14,7 +14,7 @@ from kvpool.attention import splits, variants
 from kvpool.attention._common import _FP4, _pow2
 from kvpool.attention.checks import (
     _check,
-    _check_cu_seqlens,
+    _check_cu_seqlens_host,
     _check_knob,
     _check_view,
     _group,
@@ -526,9 +526,8 @@ def plan_extend(
     seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
     cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None  # (read as is)
     if host_cu_seqlens_q is not None:
-        if not isinstance(host_cu_seqlens_q, np.ndarray) or host_cu_seqlens_q.dtype not in (
-            np.int32, np.int64
-        ):
+        ok = (np.int32, np.int64)
+        if not isinstance(host_cu_seqlens_q, np.ndarray) or host_cu_seqlens_q.dtype not in ok:
             raise ValueError(
                 f"`host_cu_seqlens_q` is {type(host_cu_seqlens_q).__name__} "
                 f"{getattr(host_cu_seqlens_q, 'dtype', '')}: expected a numpy int32/int64 array"
@@ -553,9 +552,10 @@ def plan_extend(
             f"`host_cu_seqlens_q` has shape {cu_np.shape}, `cu_seqlens_q` "
             f"{tuple(cu_seqlens_q.shape)}"
         )
-    cu_host = cu_seqlens_q.cpu() if cu_np is None else torch.from_numpy(cu_np)
-    _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
-    work_t = _work_list(cu_host.numpy().astype(np.int64, copy=False), block_t, dev)
+    cu_host = cu_seqlens_q.cpu().numpy() if cu_np is None else cu_np
+    cu_host = cu_host.astype(np.int64, copy=False)
+    _check_cu_seqlens_host(cu_host)  # read on the host here anyway
+    work_t = _work_list(cu_host, block_t, dev)
     return ExtendPlan(
         cu_seqlens_q,
         page_table,
@@ -570,8 +570,11 @@ def plan_extend(
 
 
 def _work_list(cu: np.ndarray, block_t: int, dev: torch.device) -> torch.Tensor:
-    """``[n, 2]`` int32 on ``dev``: ``(request, first new token)`` of every non-empty block of
-    ``block_t`` new tokens, request after request (``cu``: checked ``cu_seqlens_q``)."""
+    """``[n, 2]`` int32 on ``dev``: ``(request, first new token)`` of every non-empty block.
+
+    Blocks of ``block_t`` new tokens, request after request (``cu``: checked
+    ``cu_seqlens_q``).
+    """
     q_len = np.diff(cu)
     blocks = -(-q_len // block_t)
     n = int(blocks.sum())

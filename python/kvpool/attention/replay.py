@@ -100,9 +100,11 @@ def decode_key(
 
 
 def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl):
-    """``(key, pointers)`` of :func:`decode_key` (pointers: q, out, sinks, then the plan's
-    tensors); ``(None, None)`` when the call is not recorded. (The per-layer hot path: the
-    tensor keys are :func:`_key` written out.)"""
+    """``(key, pointers)`` of :func:`decode_key`; ``(None, None)`` when not recorded.
+
+    Pointers: q, out, sinks, then the plan's tensors. (The per-layer hot path: the tensor keys
+    are :func:`_key` written out.)
+    """
     tensor = torch.Tensor
     if not _launch.RECORD or type(plan) is not DecodePlan or type(q) is not tensor:
         return None, None
@@ -131,10 +133,11 @@ def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_p
 
 
 def lookup(view, q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl):
-    """``(output, key)`` of a planned decode call: the output when a valid record replayed it
-    (key None), else None and the key to record the call under (None: not recorded).
+    """``(output, key)`` of a planned decode call.
 
-    A record applies while the view is at its generation, or its fields are the same objects.
+    The output when a valid record replayed it (key None), else None and the key to record
+    the call under (None: not recorded). A record applies while the view is at its
+    generation, or its fields are the same objects.
     """
     key, ptrs = _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl)
     if key is None:
