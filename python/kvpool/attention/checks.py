@@ -65,15 +65,26 @@ def _same_fields(a: tuple, b: tuple) -> bool:
 
 
 def _check_view(view: LayerView) -> None:
-    """Check a layer view's buffers once (ValueError naming the field); cached while unchanged."""
-    fields = _view_fields(view)
+    """Check a layer view's buffers once (ValueError naming the field); cached while unchanged.
+
+    Unchanged: at the generation it was checked at (:class:`kvpool._launch.Generation`, one
+    compare), or with the same fields.
+    """
+    gen = getattr(view, "_gen", None)
     hit = _VIEWS_OK.get(id(view))
-    if hit is not None and hit[0] is view and _same_fields(hit[1], fields):
-        return
+    if hit is not None and hit[0] is view:
+        if gen is not None and hit[2] == gen:
+            return
+        fields = _view_fields(view)
+        if _same_fields(hit[1], fields):
+            _VIEWS_OK[id(view)] = (view, fields, gen)
+            return
+    else:
+        fields = _view_fields(view)
     _check_view_fields(view)
     if len(_VIEWS_OK) >= 512:
         _VIEWS_OK.clear()
-    _VIEWS_OK[id(view)] = (view, fields)
+    _VIEWS_OK[id(view)] = (view, fields, gen)
 
 
 def _check_view_fields(view: LayerView) -> None:

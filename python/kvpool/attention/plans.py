@@ -168,7 +168,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits) -> Dec
                 b, view.num_kv_heads, ctx, dev, 32, 1, per_sm, _GLUON_OVERHEAD
             )
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
-    return DecodePlan(
+    return DecodePlan.fresh(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,
@@ -413,7 +413,7 @@ def plan_decode(
     if maxnreg is not None:
         maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
-    return DecodePlan(
+    return DecodePlan.fresh(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,

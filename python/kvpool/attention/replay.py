@@ -54,10 +54,12 @@ class DecodeRecord:
 
 
 def _plan_key(plan: DecodePlan) -> tuple:
-    """``(key, pointers)``: the plan's part of the key and its tensors' ``data_ptr()``.
+    """``(key, tensors)``: the plan's part of the key and its tensors (for their pointers).
 
     Cached on the plan for its generation (:class:`kvpool._launch.Generation`); a plan without
     one (or at another) is keyed again unless its fields are the same objects as when cached.
+    The pointers are read on every call (a tensor re-pointed in place, ``set_``, still
+    launches on its memory).
     """
     d = plan.__dict__
     hit, gen = d.get("_launch_key"), d.get("_gen")
@@ -65,15 +67,14 @@ def _plan_key(plan: DecodePlan) -> tuple:
         if gen is not None and hit[0] == gen:
             return hit[1], hit[2]
         tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
-        if all(map(is_, hit[3], tensors)) and hit[4] == options:
+        if all(map(is_, hit[2], tensors)) and hit[3] == options:
             d["_launch_key"] = (gen, *hit[1:])
             return hit[1], hit[2]
     else:
         tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
     key = (type(plan), *map(tensor_key, tensors), *options)
-    ptrs = tuple(None if t is None else t.data_ptr() for t in tensors)
-    d["_launch_key"] = (gen, key, ptrs, tensors, options)
-    return key, ptrs
+    d["_launch_key"] = (gen, key, tensors, options)
+    return key, tensors
 
 
 def _key(t: torch.Tensor | None) -> tuple[tuple | None, int | None]:
@@ -122,14 +123,16 @@ def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_p
         return None, None
     else:
         sk, sp = _key(sinks)
-    pk, pptrs = _plan_key(plan)
+    pk, (pt, sl, po, pl) = _plan_key(plan)
     key = (
         pk, qk, ok, sk, sm_scale, window, softcap, backend,
         merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
         id(variants._GLUON_FP8_OPTIONS),
     )  # fmt: skip
     # (not hashed here: the record lookup hashes it, and refuses an unhashable option)
-    return key, [qp, op, sp, *pptrs]
+    po = None if po is None else po.data_ptr()
+    pl = None if pl is None else pl.data_ptr()
+    return key, [qp, op, sp, pt.data_ptr(), sl.data_ptr(), po, pl]
 
 
 def lookup(view, q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl):
