@@ -38,10 +38,10 @@ def warm_up(engine: Any, *, max_seq_len: int | None = None, prefill_tokens: int 
     radix cache, allocator, stats), so a warmed engine serves exactly as a cold one.
 
     - **Prefill**: one step of ``prefill_tokens`` new tokens (default: the engine's
-      ``max_prefill_tokens``, so the allocator also grows to a real step's size) in requests of
-      at most 512 tokens, the first one after a cached prefix of one page: the write kernel and
-      the extend kernel with and without a prefix (one variant each: their int arguments are
-      not specialized and the extend plan's tiles depend on the geometry only).
+      ``max_prefill_tokens``, at most 2,048: the kernels do not depend on the size) in requests
+      of at most 512 tokens, the first one after a cached prefix of one page: the write kernel
+      and the extend kernel with and without a prefix (one variant each: their int arguments
+      are not specialized and the extend plan's tiles depend on the geometry only).
     - **Decode** (``decode=True``): one step per distinct decode kernel variant of batches
       1 .. ``max_running`` and page tables up to ``max_seq_len`` tokens
       (:func:`kvpool.warmup.decode_shapes`). ``max_seq_len`` defaults to the longest queued
@@ -54,7 +54,7 @@ def warm_up(engine: Any, *, max_seq_len: int | None = None, prefill_tokens: int 
 
     t0 = time.perf_counter()
     ps, dev = engine.ps, engine.model.device
-    total = int(prefill_tokens or engine.max_prefill_tokens)
+    total = int(prefill_tokens or min(engine.max_prefill_tokens, 2048))
     if total < 2:
         raise ValueError(f"`prefill_tokens` = {prefill_tokens}: a warm-up prefill needs >= 2")
     chunk = min(512, total - 1)
@@ -158,7 +158,7 @@ class GraphDecode:
         from kvpool.graph import BUCKETS, DecodeGraph
         from kvpool.running import RunningBatch
 
-        super().__init__(model, pool, **kw)
+        super().__init__(model, pool, warmup=False, **kw)  # (its own, after the capture)
         self.max_pages = -(-min(self.capacity_tokens, max_seq_len) // self.ps)
         self.batch = RunningBatch(self.max_running, self.max_pages, self.ps)
         self.rows: list[Any] = []  # rows[i] decodes in the batch's row i
