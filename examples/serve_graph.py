@@ -11,6 +11,10 @@ cache and releases are the ``Engine``'s; the decode steps are this file's:
   forward of ``Llama.graph_step`` (write + decode per layer) captured once per bucket;
 - per request and step the only Python is the sampling's: the token appended, the stop checked.
 
+Also here: :func:`warm_up`, what ``Engine.warmup()`` / ``GraphEngine.warmup()`` run (synthetic
+steps over the padding page that compile every kernel a serving run launches, before it is
+timed).
+
 Kept apart from serve.py (which imports it) so that the example's main file stays readable.
 """
 
@@ -21,6 +25,78 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def warm_up(engine: Any, *, max_seq_len: int | None = None, prefill_tokens: int | None = None,
+            decode: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Compile what a serving run of ``engine`` launches, with synthetic steps (issue 22).
+
+    Triton compiles a kernel the first time it meets a new variant; in a timed run that is
+    seconds (run 14 on the H200: 2.2 s of the first run's prefill). The steps here touch only
+    the padding page (page 0: every page-table entry, every slot; the write kernel lets padding
+    slots repeat and nothing reads page 0's contents as data) and no engine state (queue,
+    radix cache, allocator, stats), so a warmed engine serves exactly as a cold one.
+
+    - **Prefill**: one step of ``prefill_tokens`` new tokens (default: the engine's
+      ``max_prefill_tokens``, at most 2,048: the kernels do not depend on the size) in requests
+      of at most 512 tokens, the first one after a cached prefix of one page: the write kernel
+      and the extend kernel with and without a prefix (one variant each: their int arguments
+      are not specialized and the extend plan's tiles depend on the geometry only).
+    - **Decode** (``decode=True``): one step per distinct decode kernel variant of batches
+      1 .. ``max_running`` and page tables up to ``max_seq_len`` tokens
+      (:func:`kvpool.warmup.decode_shapes`). ``max_seq_len`` defaults to the longest queued
+      request (prompt + ``max_new_tokens``), else the pool's capacity capped at 4,096 tokens.
+
+    Returns ``{"prefill_tokens", "prefill_requests", "decode_shapes", "seconds"}``. Ends with a
+    device sync (the compiles and the GPU work are done when it returns).
+    """
+    from kvpool.warmup import decode_shapes, geometric
+
+    t0 = time.perf_counter()
+    ps, dev = engine.ps, engine.model.device
+    total = int(prefill_tokens or min(engine.max_prefill_tokens, 2048))
+    if total < 2:
+        raise ValueError(f"`prefill_tokens` = {prefill_tokens}: a warm-up prefill needs >= 2")
+    chunk = min(512, total - 1)
+    new = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+    cached = [ps] + [0] * (len(new) - 1)  # (request 0 extends a cached page)
+    pages = [np.zeros(-(-(c + n) // ps), np.int32) for c, n in zip(cached, new, strict=True)]
+    _forward(engine, pages, cached, new)
+    shapes: list[tuple[int, int]] = []
+    if decode:
+        if max_seq_len is None:
+            need = [len(r.prompt) + r.max_new_tokens for r in engine.waiting]
+            max_seq_len = max(need) if need else min(engine.capacity_tokens, 4096)
+        max_pages = max(1, -(-int(max_seq_len) // ps))
+        view = engine.pool.layer(engine.pool.layers[0])
+        shapes = decode_shapes(view, engine.model.hq, geometric(engine.max_running), max_pages)
+        for b, w in shapes:  # (seq_len 1: each request reads one token of page 0)
+            _forward(engine, [np.zeros(w, np.int32)] * b, [0] * b, [1] * b)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"prefill_tokens": total, "prefill_requests": len(new), "decode_shapes": shapes,
+            "seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def _forward(engine: Any, pages: list[np.ndarray], cached: list[int], new: list[int]) -> None:
+    """One synthetic step over the padding page through the engine's ModelRunner (token ids 0,
+    outputs dropped). Built here, not by ``Step.build``: its slot helper refuses page 0 (a real
+    request's tokens never go there)."""
+    from kvpool.llama import Step
+
+    ps = engine.ps
+    pre, ext = np.asarray(cached, np.int64), np.asarray(new, np.int64)
+    cu = np.zeros(len(new) + 1, np.int32)
+    cu[1:] = np.cumsum(ext)
+    positions = np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - pre, ext)
+    w = max(len(p) for p in pages)
+    step = Step(positions=torch.from_numpy(positions),
+                out_loc=torch.from_numpy(positions % ps),  # (slots of page 0)
+                page_table=torch.zeros(len(pages), w, dtype=torch.int32),
+                seq_lens=torch.from_numpy((pre + ext).astype(np.int32)),
+                cu_seqlens_q=torch.from_numpy(cu))  # fmt: skip
+    ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=engine.model.device)
+    engine.runner.run(ids, engine.runner.upload(step))
 
 
 class gpu_timer:
@@ -71,15 +147,18 @@ class GraphDecode:
 
     ``max_seq_len``: the page table's width in tokens (a request that could grow past it is
     rejected at submit); the buckets: :data:`kvpool.graph.BUCKETS` below ``max_running``, and
-    ``max_running``.
+    ``max_running``. ``warmup`` (default: on a CUDA model): run :meth:`warmup` at the end of
+    the constructor, after the graphs' capture (which compiles the decode steps), so that the
+    first run pays no compile.
     """
 
     def __init__(self, model: Any, pool: Any, *, max_seq_len: int = 4096,
-                 use_graphs: bool | None = None, **kw):  # fmt: skip
+                 use_graphs: bool | None = None, warmup: bool | None = None,
+                 **kw):  # fmt: skip
         from kvpool.graph import BUCKETS, DecodeGraph
         from kvpool.running import RunningBatch
 
-        super().__init__(model, pool, **kw)
+        super().__init__(model, pool, warmup=False, **kw)  # (its own, after the capture)
         self.max_pages = -(-min(self.capacity_tokens, max_seq_len) // self.ps)
         self.batch = RunningBatch(self.max_running, self.max_pages, self.ps)
         self.rows: list[Any] = []  # rows[i] decodes in the batch's row i
@@ -89,6 +168,19 @@ class GraphDecode:
                                  use_graphs=use_graphs)  # fmt: skip
         self.step_fn = model.graph_step(pool)
         self.graph.capture(self.step_fn)  # every bucket, before any request (page 0 only)
+        if warmup or (warmup is None and model.device.type == "cuda"):
+            self.warmup()
+
+    def warmup(self, *, prefill_tokens: int | None = None, **_: Any) -> dict[str, Any]:
+        """:func:`warm_up` of the prefill; the decode steps are the graphs' buckets: captured
+        already (:meth:`kvpool.graph.DecodeGraph.capture` runs each before capturing it), or,
+        without graphs, run here once each on their all-padding buffers."""
+        info = warm_up(self, prefill_tokens=prefill_tokens, decode=False)
+        if not self.graph.use_graphs:
+            for s in self.graph.static.values():
+                self.step_fn(s)
+            info["decode_shapes"] = [(b, self.max_pages) for b in self.graph.static]
+        return info
 
     def submit(self, prompt: list[int], max_new_tokens: int, *, arrival: int = 0) -> Any:
         req = super().submit(prompt, max_new_tokens, arrival=arrival)

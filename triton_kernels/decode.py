@@ -15,7 +15,8 @@ into the folded factors for nvfp4 and into the power-of-two block scale for mx.
 
 Masking: token positions are clamped to ``[start, end)`` with ``end <= seq_len`` and every load
 (page-table entries, K, V, block scales) is masked by it, so no slot past ``seq_len`` is read and
-no page-table entry past ``ceil(seq_len / page_size)`` is dereferenced (KVB-16, docs/architecture.md).
+no page-table entry past ``ceil(seq_len / page_size)`` is dereferenced (KVB-16,
+docs/architecture.md).
 """
 
 import triton
@@ -309,7 +310,15 @@ def softmax_logits(qk, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
         return qk * (qk_scale * 1.4426950408889634)
 
 
-@triton.jit
+# Step-dependent ints are not specialized (an int of 1 becomes a constant, others carry their
+# divisibility by 16): the page-table width, the split count and the window may change from one
+# serving step to the next, and each change would compile a new kernel (issue 22). The pool's
+# strides, q/out strides (fixed per model) and page_shift stay specialized.
+DO_NOT_SPECIALIZE = ("stride_pt", "window", "num_splits")
+MERGE_DO_NOT_SPECIALIZE = ("num_splits",)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def decode_kernel(
     Q,
     K,
@@ -577,7 +586,7 @@ def decode_kernel(
         tl.store(PL + row, lse, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_DO_NOT_SPECIALIZE)
 def merge_kernel(
     PO,
     PL,

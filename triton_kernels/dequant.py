@@ -44,7 +44,11 @@ def _e2m1_value(code):
     return tl.where((code & 8) != 0, -mag, mag)
 
 
-@triton.jit
+# The slot count changes with every read: not specialized (one compile for every N).
+DO_NOT_SPECIALIZE = ("N",)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def dequant_kernel(
     loc_ptr,
     N,

@@ -19,8 +19,14 @@ import triton.language as tl
 
 from .decode import load_kv_tile, softmax_logits
 
+# Step-dependent ints are not specialized (Triton makes an int of 1 a constant and records
+# divisibility by 16): a serving loop's page-table width, blocks per request and window would
+# otherwise compile a new kernel when they change (issue 22, 2.2 s of a first prefill). Strides of
+# the pool and of q/out (fixed per model) and page_shift stay specialized.
+DO_NOT_SPECIALIZE = ("stride_pt", "window", "blocks_per_req")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def extend_kernel(
     Q,
     K,

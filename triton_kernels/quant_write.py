@@ -489,7 +489,12 @@ def _saturate(x, m):
     return tl.where(over, tl.where(x > 0, m, -m), x)
 
 
-@triton.jit
+# The token count changes every step (T = 1 would even become a constant): not specialized, so
+# one compile serves every batch (issue 22). Row counts and strides are fixed per pool/model.
+DO_NOT_SPECIALIZE = ("T",)
+
+
+@triton.jit(do_not_specialize=DO_NOT_SPECIALIZE)
 def quant_write_kernel(
     loc_ptr,
     T,

@@ -1,8 +1,9 @@
 """Where a serving run's time goes: prefill vs decode wall time, and the GPU kernels of each.
 
 Runs ``bench_vs_transformers``'s kvpool workload (serve.py's ``GraphEngine``) twice in one
-process (the second run shows what the first spent compiling), then a third time under
-``torch.profiler`` and prints the kernels by GPU time, split into prefill and decode steps.
+process (the second run shows what the first spent compiling: nothing since the engines warm up
+in their constructor, ``init_s``; ``--no-warmup`` shows the cold first run), then a third time
+under ``torch.profiler`` and prints the kernels by GPU time, split into prefill and decode steps.
 
     python benches/e2e/profile_serve.py --model SmolLM2-135M --out $OUT/profile_smol.json
     python benches/e2e/profile_serve.py --tiny --device cpu --out /tmp/p.json   # CPU check
@@ -24,10 +25,14 @@ import bench_vs_transformers as bvt  # noqa: E402
 import serve  # noqa: E402  (examples/serve.py, put on sys.path by bench_vs_transformers)
 
 
-def one_run(llama, pool, prompts, new, dev, max_prefill):
+def one_run(llama, pool, prompts, new, dev, max_prefill, warmup=None):
     longest = max(len(p) for p in prompts) + new
+    t_init = time.perf_counter()
+    # (the constructor captures the decode graphs and, on CUDA, warms up the prefill)
     eng = serve.GraphEngine(llama, pool, max_running=len(prompts), max_prefill_tokens=max_prefill,
-                            max_seq_len=longest, use_graphs=dev.startswith("cuda"))  # fmt: skip
+                            max_seq_len=longest, use_graphs=dev.startswith("cuda"),
+                            warmup=warmup)  # fmt: skip
+    init_s = time.perf_counter() - t_init
     for p in prompts:
         eng.submit(p, new)
     bvt._sync(dev)
@@ -39,7 +44,7 @@ def one_run(llama, pool, prompts, new, dev, max_prefill):
     gen = sum(len(r.output) for r in eng.requests)
     return eng, {"wall_s": wall, "tokens_per_s": gen / wall, "prefill_s": s.prefill_s,
                  "decode_s": s.decode_s, "decode_steps": s.decode_steps, "steps": s.steps,
-                 "prefill_tokens": s.prefill_tokens}  # fmt: skip
+                 "prefill_tokens": s.prefill_tokens, "init_s": init_s}  # fmt: skip
 
 
 def main() -> int:  # noqa: D103
@@ -51,6 +56,11 @@ def main() -> int:  # noqa: D103
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="engines without their warm-up (run1 then shows the compiles)",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.requests or (192 if args.model == "SmolLM2-135M" else 64)
@@ -64,7 +74,8 @@ def main() -> int:  # noqa: D103
     pool = serve.make_pool(llama, args.dtype, need, 16)
     rec: dict = {"model": args.model, "dtype": args.dtype, "requests": n, "new_tokens": new}
     for k in ("run1", "run2"):
-        eng, rec[k] = one_run(llama, pool, prompts, new, args.device, args.max_prefill_tokens)
+        eng, rec[k] = one_run(llama, pool, prompts, new, args.device, args.max_prefill_tokens,
+                              False if args.no_warmup else None)  # fmt: skip
         del eng
         print(k, json.dumps(rec[k]), flush=True)
     if args.device.startswith("cuda"):

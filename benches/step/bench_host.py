@@ -5,7 +5,9 @@ head_dim 128, 32 query heads, page_size 16, every request ``--ctx`` tokens long)
 
 - ``page_table``: :func:`kvpool.page_table` from B per-request page lists (numpy int32);
 - ``decode_slots`` / ``extend_slots``: the Rust batch helpers (extend: the last 8 tokens);
-- ``h2d``: page table, seq_lens and slots to the pool's device (pinned, ``non_blocking``);
+- ``h2d``: page table, seq_lens and slots to the pool's device, one pinned ``non_blocking``
+  copy each (as before issue 22's packing); ``h2d_packed``: the same three in one pinned
+  buffer and one copy (:func:`kvpool.to_device_packed`, what ``examples/serve.py`` does);
 - ``plan_decode`` / ``plan_extend``: the attention plans (``plan_extend`` reads ``cu_seqlens_q``
   once per batch by design);
 - ``write_decode``: one ``pool.write`` + one ``pool.decode(plan=...)`` of one layer, repeated
@@ -15,21 +17,27 @@ head_dim 128, 32 query heads, page_size 16, every request ``--ctx`` tokens long)
   normal launch, ``_launch.FAST = False``: the checks made once, Triton's JIT dispatch per
   launch) and ``write_decode_unrecorded`` (``_launch.RECORD = False``: every call checked and
   launched from scratch, as before records);
-- ``step_metadata``: page_table + decode_slots + h2d + plan_decode, the per-step total.
+- ``step_metadata``: page_table + decode_slots + h2d_packed + plan_decode, the per-step total
+  (``step_metadata_3_copies``: with ``h2d``, the figure of runs 13 and before).
 - ``running_step``: the same step's table and slots kept in place instead
   (:class:`kvpool.running.RunningBatch`: ``grow`` (one row in 16 gains a page), ``slots``,
   ``advance``), what ``examples/serve.py --cuda-graph`` does per step before its graph replay;
-  ``running_metadata``: running_step + h2d + plan_decode.
+  ``running_metadata``: running_step + h2d_packed + plan_decode;
+- ``graph_fill``: :class:`kvpool.graph.DecodeGraph`'s copy of a step into its bucket's static
+  buffers (page table, seq_lens, slots, token ids padded into one pinned buffer, one copy;
+  ``graph_fill_per_buffer``: one pinned copy per buffer, as before).
 
 Modes:
 
 - ``cuda``: the real launches on the GPU. Calls are timed back to back with no sync (launches
   are asynchronous, so the time is the host's); contexts are short so that the GPU keeps up with
   the launch queue and its back-pressure does not show up as host time.
-- ``stub`` (CPU): the CUDA path's host side with the Triton kernels replaced by no-ops and the
-  CPU path's value checks (which the CUDA path skips without ``debug``) off: argument checks,
-  plan lookup and launch argument preparation, without Triton's own launch cost (the JIT's
-  argument binding and the driver call, measured only in ``cuda`` mode).
+- ``stub`` (CPU): the CUDA path's host side with the Triton kernels replaced by stand-ins whose
+  compiled kernel's launcher does nothing (records resolve them as on CUDA, through a stand-in
+  Triton driver) and the CPU path's value checks (which the CUDA path skips without ``debug``)
+  off: argument checks, record lookup and launch argument preparation, without the launcher's
+  own cost (argument parsing and the driver call, measured only in ``cuda`` mode). Host to
+  device copies are host copies (no pinned memory).
 
 Each figure is the median of ``--repeats`` timings of ``--iters`` calls (``time.perf_counter``).
 Writes a JSON record (machine, versions, numbers) to ``--out`` and prints a table.
@@ -54,13 +62,43 @@ import kvpool
 import numpy as np
 import torch
 from kvpool import _launch, attention
+from kvpool._host import to_device_packed
 
 
-class _NoKernel:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+class _Compiled:
+    """A compiled kernel's stand-in: its launcher does nothing."""
+
+    function = 1
+    packed_metadata = None
+    run = staticmethod(_noop)
+
+
+class _StubKernel:
+    """Stands in for a Triton kernel: the real signature (so records bind their arguments as
+    on CUDA), ``warmup`` gives a :class:`_Compiled`, ``kernel[grid](...)`` does nothing."""
+
+    def __init__(self, fn):
+        self.signature = fn.signature
+
+    def warmup(self, *args, grid=None, **kwargs):
+        return _Compiled()
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return _noop
+
+
+class _StubDriver:
+    """Triton's active driver where the records ask for the stream and device."""
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_device(self) -> int:
+        return 0
 
 
 @contextlib.contextmanager
@@ -71,6 +109,7 @@ def stubbed():
     import kvpool.triton_kernels.quant_write as qw
     from kvpool import write
     from kvpool.attention import launch_decode, launch_extend
+    from triton.runtime import driver
 
     saved = []
 
@@ -84,15 +123,19 @@ def stubbed():
         (ek, "extend_kernel"),
         (qw, "quant_write_kernel"),
     ):
-        patch(mod, name, _NoKernel())
+        patch(mod, name, _StubKernel(getattr(mod, name)))
     patch(write, "_use_triton", lambda backend, device: True)
     for mod in (launch_decode, launch_extend):
         patch(mod, "_use_triton", lambda backend, q: True)
         patch(mod, "_check_batch", lambda *a, **k: None)  # the CUDA path skips it
     patch(launch_decode, "_MERGE_PDL", False)  # (asks the device's capability)
+    patch(_launch, "FAST_DEVICE_TYPES", ("cuda", "cpu"))
+    active = driver._active  # (None until first use; no CUDA driver here)
+    driver.set_active(_StubDriver())
     try:
         yield
     finally:
+        driver._active = active
         for mod, name, value in reversed(saved):
             setattr(mod, name, value)
 
@@ -131,11 +174,16 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
     pin = dev.type == "cuda"
 
     def h2d():
-        return [
+        return [  # (stub: a host copy each, as h2d_packed makes one)
             torch.from_numpy(a).pin_memory().to(dev, non_blocking=True) if pin else
-            torch.from_numpy(a)
+            torch.from_numpy(a).clone()
             for a in (pt_np, seq, slots_np)
-        ]
+        ]  # fmt: skip
+
+    packed_out = None if pin else torch.empty(4096 + 16 * pt_np.size, dtype=torch.uint8)
+
+    def h2d_packed():  # (stub: packed into a host buffer, the same Python work)
+        return to_device_packed([pt_np, seq, slots_np], dev, out=packed_out)
 
     pt, sl, loc = h2d()
     cu = torch.arange(0, 8 * b + 1, 8, dtype=torch.int32, device=dev)
@@ -153,6 +201,7 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
         "decode_slots": _time(lambda: kvpool.decode_slots(pt_np, seq, ps), it, rep, sync),
         "extend_slots": _time(lambda: kvpool.extend_slots(pt_np, prefix, seq, ps), it, rep, sync),
         "h2d": _time(h2d, it, rep, sync),
+        "h2d_packed": _time(h2d_packed, it, rep, sync),
         "plan_decode": _time(
             lambda: attention.plan_decode(view, hq, pt, sl, max_seq_len=ctx), it, rep, sync
         ),
@@ -171,10 +220,32 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
         r["plan_decode_numpy"] = _time(
             lambda: attention.plan_decode(view, hq, pt_np, seq, max_seq_len=ctx), it, rep, sync
         )
-    r["step_metadata"] = r["page_table"] + r["decode_slots"] + r["h2d"] + r["plan_decode"]
+    base = r["page_table"] + r["decode_slots"] + r["plan_decode"]
+    r["step_metadata"] = base + r["h2d_packed"]
+    r["step_metadata_3_copies"] = base + r["h2d"]
     r["running_step"] = _running_step(b, ps, it, rep, sync)
-    r["running_metadata"] = r["running_step"] + r["h2d"] + r["plan_decode"]
+    r["running_metadata"] = r["running_step"] + r["h2d_packed"] + r["plan_decode"]
+    r["graph_fill"], r["graph_fill_per_buffer"] = _graph_fill(pool, hq, pt_np, seq, slots_np,
+                                                              it, rep, sync)  # fmt: skip
     return r
+
+
+def _graph_fill(pool, hq, pt_np, seq, slots_np, it, rep, sync) -> tuple[float, float]:
+    """Host us of DecodeGraph's copy of one step into its bucket (packed, per buffer)."""
+    import dataclasses
+
+    from kvpool.graph import DecodeGraph
+
+    b, w = pt_np.shape
+    g = DecodeGraph(pool, hq, w, [b], inputs={"input_ids": ((), torch.int64)}, use_graphs=False)
+    s = g.static[b]
+    ids = np.arange(b, dtype=np.int64)
+    per_buffer = dataclasses.replace(s, packing=None)
+    return (
+        _time(lambda: g._fill(s, b, pt_np, seq, slots_np, {"input_ids": ids}), it, rep, sync),
+        _time(lambda: g._fill(per_buffer, b, pt_np, seq, slots_np, {"input_ids": ids}), it, rep,
+              sync),
+    )  # fmt: skip
 
 
 def _running_step(b: int, ps: int, it: int, rep: int, sync) -> float:
@@ -255,6 +326,8 @@ def main() -> None:  # noqa: D103
         "layers_per_write_decode": min(args.layers, len(pool.layers)),
         "unit": "us of host time per call (median of repeats)",
         "targets_at_B256": {"step_metadata": 50, "write_decode": 15},
+        "notes": "since issue 22 (serve branch): step_metadata uses h2d_packed (one copy); "
+        "step_metadata_3_copies is the earlier definition",
         "results": results,
     }
     keys = list(next(iter(results.values())))

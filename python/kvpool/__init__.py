@@ -69,13 +69,19 @@ __all__ = [
     "release_window_pages",
     "rollback_slots",
     "size_for",
+    "to_device_packed",
 ]
 
 
 def __getattr__(name: str):
-    # KVPool needs torch; import it only when asked so `import kvpool` stays light.
+    # KVPool and to_device_packed need torch; import them only when asked so `import kvpool`
+    # stays light.
     if name == "KVPool":
         from kvpool.pool import KVPool
 
         return KVPool
+    if name == "to_device_packed":
+        from kvpool._host import to_device_packed
+
+        return to_device_packed
     raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

@@ -24,6 +24,12 @@ and is then replayed with the arguments that change from call to call (a layer's
   profiler such as proton needs the metadata), it launches the normal way,
   ``fn[grid](*args, **kwargs)``, with the same substitutions.
 
+A replay through the launcher passes every pointer as an int: the recorded ones (the pool's
+buffers, kept alive by the record) resolved once, the per-call ones as ``data_ptr()`` (the
+callers read it anyway for the alignment in their keys). Given a tensor, Triton's launcher
+calls its ``data_ptr`` method and ``cuPointerGetAttribute`` for every pointer argument on every
+launch, a few hundred nanoseconds each for ~10-16 pointers per kernel.
+
 Module switches: ``FAST`` False makes every record launch the normal way (tests compare both
 bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` times all three).
 """
@@ -31,12 +37,17 @@ bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` t
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: Replay through the compiled kernel's launcher where possible (else the normal launch).
 FAST = True
+#: Device types whose records resolve the compiled kernel (``benches/step/bench_host.py``'s
+#: stub mode adds ``"cpu"``, with stand-in kernels and driver, to time the CUDA path's host
+#: side on a CPU).
+FAST_DEVICE_TYPES = ("cuda",)
 #: Record launches at all (False: every call checks and launches from scratch, as before
 #: records existed; ``benches/step/bench_host.py`` times the three ways).
 RECORD = True
@@ -58,10 +69,73 @@ def _hooks_idle() -> bool:
             return False
         _RUNTIME.append(knobs.runtime)
     rt = _RUNTIME[0]
-    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if h is not None and getattr(h, "calls", True):
-            return False
-    return True
+    h = rt.launch_enter_hook
+    if h is not None and getattr(h, "calls", True):
+        return False
+    h = rt.launch_exit_hook
+    return h is None or not getattr(h, "calls", True)
+
+
+_GENERATIONS = itertools.count(1)
+
+
+class Generation:
+    """Mixin of the objects records are made from (layer views, plans).
+
+    Every attribute set gives the object a new generation ``_gen``, unique over all objects,
+    so that a record made at generation ``g`` is known valid while the object's ``_gen`` is
+    still ``g`` (one int compare per call instead of comparing every field by identity).
+    """
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        self.__dict__["_gen"] = next(_GENERATIONS)
+
+    @classmethod
+    def fresh(cls, **fields: Any):
+        """A new instance of this dataclass from its fields, the fast way.
+
+        Skips the per-field ``__setattr__`` (~0.3 us each) of the generated ``__init__``: what
+        the planners use once per step (no ``__post_init__`` runs).
+        """
+        spec = _FIELDS.get(cls)
+        if spec is None:
+            spec = _FIELDS[cls] = _field_spec(cls)
+        names, required, defaults = spec
+        keys = fields.keys()
+        if not (keys <= names and required <= keys):
+            raise TypeError(
+                f"{cls.__name__}.fresh(): unknown fields {sorted(keys - names)}, missing "
+                f"{sorted(required - keys)}"
+            )
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        d.update(defaults)
+        d.update(fields)
+        d["_gen"] = next(_GENERATIONS)
+        return obj
+
+
+_FIELDS: dict[type, tuple[frozenset, frozenset, dict]] = {}
+
+
+def _field_spec(cls: type) -> tuple[frozenset, frozenset, dict]:
+    """(field names, required names, defaults) of dataclass ``cls`` (plain defaults only)."""
+    import dataclasses
+
+    fs = dataclasses.fields(cls)
+    if any(f.default_factory is not dataclasses.MISSING for f in fs):
+        raise TypeError(f"{cls.__name__}: fresh() takes no default factories")
+    defaults = {f.name: f.default for f in fs if f.default is not dataclasses.MISSING}
+    names = frozenset(f.name for f in fs)
+    return names, names - defaults.keys(), defaults
+
+
+def generation(obj: Any) -> int | None:
+    """``obj``'s :class:`Generation` (None for an object without one)."""
+    return obj.__dict__.get("_gen")
 
 
 def call(calls: list | None, fn: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -122,7 +196,7 @@ class Launch:
     size) must never reach it (they get another record).
     """
 
-    __slots__ = ("fn", "grid", "pos", "kw", "pos_slots", "full", "full_slots", "launcher",
+    __slots__ = ("fn", "grid", "pos", "kw", "pos_slots", "full", "subs", "keep", "launcher",
                  "function", "meta", "stream", "dev_index")  # fmt: skip
 
     def __init__(
@@ -143,13 +217,14 @@ class Launch:
         # a per-call object only in a keyword argument cannot be substituted
         if any(x is not None and any(v is x for v in self.kw.values()) for x in per_call):
             raise ValueError("a per-call argument passed by keyword cannot be replayed")
-        self.full = self.full_slots = self.launcher = self.function = self.meta = None
+        self.full = self.subs = self.keep = self.launcher = self.function = self.meta = None
         self.stream, self.dev_index = None, getattr(device, "index", None)
-        if getattr(device, "type", None) == "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if (getattr(device, "type", None) in FAST_DEVICE_TYPES
+                and os.environ.get("TRITON_INTERPRET") != "1"):  # fmt: skip
             try:
                 self._resolve(list(args), per_call)
             except Exception:  # another Triton's internals: the normal launch still works
-                self.full = self.full_slots = self.launcher = None
+                self.full = self.subs = self.keep = self.launcher = None
 
     def _resolve(self, args: list[Any], per_call: Sequence[Any]) -> None:
         """Bind the call to the kernel's signature and find its compiled kernel (CUDA)."""
@@ -170,10 +245,13 @@ class Launch:
             return
         from triton.runtime import driver
 
-        self.full_slots = _slots(full, per_call)
-        for idx in self.full_slots:
-            for i in idx:
-                full[i] = None
+        # (position in the argument list, index in per_call) of each per-call pointer
+        self.subs = tuple((i, j) for j, idx in enumerate(_slots(full, per_call)) for i in idx)
+        for i, _ in self.subs:
+            full[i] = None
+        # recorded tensors as the ints the launcher would get from them (kept alive here)
+        self.keep = tuple(a for a in full if isinstance(a, _tensor_type()))
+        full = [a.data_ptr() if isinstance(a, _tensor_type()) else a for a in full]
         self.full, self.launcher = full, launcher
         self.function, self.meta = kernel.function, kernel.packed_metadata
         self.stream = driver.active.get_current_stream
@@ -188,19 +266,60 @@ class Launch:
     def __call__(self, *per_call: Any) -> None:
         """Launch with ``per_call`` (as many as given at recording) in their places."""
         if self.launcher is not None and FAST and _hooks_idle():
-            a = self.full.copy()
-            for idx, x in zip(self.full_slots, per_call, strict=True):
-                for i in idx:
-                    a[i] = x
-            g = self.grid
-            self.launcher(g[0], g[1], g[2], self.stream(self.dev_index), self.function,
-                          self.meta, None, None, None, *a)  # fmt: skip
+            ptrs = [None if x is None else x.data_ptr() for x in per_call]
+            self.launch_ptrs(self.stream(self.dev_index), ptrs)
             return
+        self.launch_normal(per_call)
+
+    def launch_ptrs(self, stream: int, ptrs: Sequence[int | None]) -> None:
+        """The fast replay (only where :attr:`fast`).
+
+        ``ptrs[j]`` is per-call tensor ``j``'s ``data_ptr()`` (None for a placeholder),
+        ``stream`` the raw CUDA stream.
+        """
+        a = self.full.copy()
+        for i, j in self.subs:
+            a[i] = ptrs[j]
+        g = self.grid
+        self.launcher(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *a)
+
+    def launch_normal(self, per_call: Sequence[Any]) -> None:
+        """The normal launch, ``fn[grid](*args, **kwargs)`` with ``per_call`` substituted."""
         a = self.pos.copy()
         for idx, x in zip(self.pos_slots, per_call, strict=True):
             for i in idx:
                 a[i] = x
         self.fn[self.grid](*a, **self.kw)
+
+
+def replay(launches: Sequence[Launch], per_call: Sequence[Any], ptrs: Sequence[int | None]) -> None:
+    """Launch each record of ``launches`` (all made with the same per-call order).
+
+    ``ptrs``: the per-call tensors' ``data_ptr()`` (None for placeholders), read once by the
+    caller for all of them; the stream and the hooks are looked up once too.
+    """
+    first = launches[0]
+    if first.launcher is not None and FAST and _hooks_idle():
+        stream = first.stream(first.dev_index)
+        for x in launches:
+            if x.launcher is None:  # (a record whose kernel did not resolve: the normal way)
+                x.launch_normal(per_call)
+            else:
+                x.launch_ptrs(stream, ptrs)
+        return
+    for x in launches:
+        x.launch_normal(per_call)
+
+
+_TENSOR: list[type] = []
+
+
+def _tensor_type() -> type:
+    if not _TENSOR:
+        from kvpool._torch import torch
+
+        _TENSOR.append(torch.Tensor)
+    return _TENSOR[0]
 
 
 def _slots(args: Sequence[Any], per_call: Sequence[Any]) -> list[tuple[int, ...]]:

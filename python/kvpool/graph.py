@@ -9,8 +9,11 @@ What makes a step capturable (and what this module holds for it):
 
 - **Static inputs updated in place.** Per bucket ``n``: the page table ``[n, max_pages]``
   int32, ``seq_lens [n]`` int32, ``slots [n]`` int32 and the caller's own inputs (token ids,
-  or q/k/v in a test), each at a fixed address. :meth:`DecodeGraph.run` copies the batch in:
-  numpy arrays padded on the host, then one pinned ``non_blocking`` copy per buffer (no sync).
+  or q/k/v in a test), each at a fixed address: views of one device buffer (each 64-byte
+  aligned; inputs of a dtype numpy lacks, such as bf16, have buffers of their own).
+  :meth:`DecodeGraph.run` copies the batch in: numpy arrays padded into one pinned staging
+  buffer of the same layout, then one ``non_blocking`` copy (no sync; separate pinned copies
+  cost ~20 us of host time each).
 - **Plans whose device tensors keep their addresses.** The bucket's
   :class:`~kvpool.attention.DecodePlan` is made once over those buffers, for the longest
   request the table can hold (``max_pages * page_size`` tokens), so its split count and
@@ -59,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvpool import attention
+from kvpool._host import pack_layout, packed_views
 from kvpool._torch import torch
 
 if TYPE_CHECKING:
@@ -87,6 +91,10 @@ class DecodeStatic:
         Over ``page_table`` / ``seq_lens``, for ``max_pages * page_size`` tokens.
     inputs : dict of str to torch.Tensor
         The caller's inputs, ``[batch, *shape]`` each (padded rows 0).
+    packing : tuple or None
+        Where the buffers above live when they are views of one device buffer (made by
+        :class:`DecodeGraph`): ``(buffer, specs, offsets, packed input names)`` of
+        :func:`kvpool._host.pack_layout`; None copies each buffer on its own.
     """
 
     batch: int
@@ -95,6 +103,7 @@ class DecodeStatic:
     slots: torch.Tensor
     plan: attention.DecodePlan
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    packing: tuple | None = field(default=None, repr=False, compare=False)
 
 
 class DecodeGraph:
@@ -158,25 +167,32 @@ class DecodeGraph:
         self._warned = False
 
     def _buffers(self, b: int) -> DecodeStatic:
-        """Static buffers of ``b`` requests, all padding (page 0, seq_len 1, slot 0)."""
+        """Static buffers of ``b`` requests, all padding (page 0, seq_len 1, slot 0).
+
+        The batch metadata and the numpy-typed inputs are views of one device buffer
+        (:meth:`_fill` copies a step in with one copy).
+        """
         dev = self.device
-        pt = torch.zeros(b, self.max_pages, dtype=torch.int32, device=dev)
-        sl = torch.ones(b, dtype=torch.int32, device=dev)
+        packed = [k for k, (_, d) in self.input_specs.items() if _numpy_dtype(d) is not None]
+        specs = [((b, self.max_pages), np.int32), ((b,), np.int32), ((b,), np.int32)]
+        specs += [((b, *self.input_specs[k][0]), _numpy_dtype(self.input_specs[k][1]))
+                  for k in packed]  # fmt: skip
+        offs, total = pack_layout(specs)
+        buf = torch.zeros(total, dtype=torch.uint8, device=dev)
+        views = packed_views(buf, specs, offs)
+        pt, sl, slots = views[:3]
+        sl.fill_(1)
         plan = attention.plan_decode(
             self.view, self.num_q_heads, pt, sl, max_seq_len=self.max_seq_len,
             **self.plan_options,
         )  # fmt: skip
-        return DecodeStatic(
-            batch=b,
-            page_table=pt,
-            seq_lens=sl,
-            slots=torch.zeros(b, dtype=torch.int32, device=dev),
-            plan=plan,
-            inputs={
-                k: torch.zeros((b, *s), dtype=d, device=dev)
-                for k, (s, d) in self.input_specs.items()
-            },
-        )
+        inputs = dict(zip(packed, views[3:], strict=True))
+        for k, (shp, d) in self.input_specs.items():
+            if k not in inputs:
+                inputs[k] = torch.zeros((b, *shp), dtype=d, device=dev)
+        return DecodeStatic(batch=b, page_table=pt, seq_lens=sl, slots=slots, plan=plan,
+                            inputs={k: inputs[k] for k in self.input_specs},
+                            packing=(buf, specs, offs, packed))  # fmt: skip
 
     def bucket(self, batch: int) -> int | None:
         """The smallest bucket holding ``batch`` requests, or None when none does."""
@@ -211,40 +227,55 @@ class DecodeGraph:
             self.graphs[b] = g
 
     def _fill(self, s: DecodeStatic, n: int, page_table, seq_lens, slots, inputs) -> None:
-        """Copy a batch of ``n`` requests into ``s`` (rows past ``n``: padding), without a sync."""
-        w = page_table.shape[1]
-        batch = {  # static buffer, its padding rows (page 0, length 1, slot 0), host shape
-            "page_table": (s.page_table, page_table, 0, (s.batch, w)),
-            "seq_lens": (s.seq_lens, seq_lens, 1, (s.batch,)),
-            "slots": (s.slots, slots, 0, (s.batch,)),
-        }
-        for name, (dst, src, pad_value, shape) in batch.items():
-            if isinstance(src, torch.Tensor):  # already on the device: no host round trip
-                dst[:n].copy_(src, non_blocking=True)
-                dst[n:].fill_(pad_value)
-                continue
-            src = np.asarray(src)
-            if src.dtype != np.int32:
-                raise ValueError(f"`{name}` is {src.dtype}, expected int32")
-            host = np.full(shape, pad_value, np.int32)
-            host[:n] = src
-            self._to_device(dst, host)
-        for name, t in s.inputs.items():
-            x = inputs[name]
+        """Copy a batch of ``n`` requests into ``s`` (rows past ``n``: padding), without a sync.
+
+        Numpy batch arrays and inputs go through one pinned staging buffer of the static
+        buffer's layout and one copy; device tensors are copied device to device.
+        """
+        batch = {"page_table": page_table, "seq_lens": seq_lens, "slots": slots}
+        for name, src in batch.items():
+            if not isinstance(src, torch.Tensor) and np.asarray(src).dtype != np.int32:
+                raise ValueError(f"`{name}` is {np.asarray(src).dtype}, expected int32")
+        buf, specs, offs, packed = s.packing or (None, None, None, ())
+        srcs = (*batch.values(), *(inputs[k] for k in packed))
+        if buf is not None and not any(isinstance(x, torch.Tensor) for x in srcs):
+            host = torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=self._pin)
+            views = packed_views(host.numpy(), specs, offs)
+            for v, src, pad in zip(views, batch.values(), (0, 1, 0), strict=False):
+                v[:n] = src
+                v[n:] = pad
+            for v, name in zip(views[3:], packed, strict=True):
+                v[:n] = inputs[name]
+                v[n:] = 0
+            buf.copy_(host, non_blocking=True)  # (the host buffer is kept until it has run)
+            rest = [k for k in s.inputs if k not in packed]
+        else:
+            pads = {"page_table": 0, "seq_lens": 1, "slots": 0}
+            for name, src in batch.items():
+                dst = getattr(s, name)
+                if isinstance(src, torch.Tensor):  # already on the device: no host round trip
+                    dst[:n].copy_(src, non_blocking=True)
+                else:
+                    dst[:n].copy_(self._pinned(np.ascontiguousarray(src)), non_blocking=True)
+                dst[n:].fill_(pads[name])
+            rest = list(s.inputs)
+        for name in rest:
+            t, x = s.inputs[name], inputs[name]
             if isinstance(x, torch.Tensor):
                 t[:n].copy_(x, non_blocking=True)
             else:  # (through pinned memory: a copy from pageable memory would block the host)
                 t[:n].copy_(self._pinned(np.ascontiguousarray(x)), non_blocking=True)
             t[n:].zero_()
 
+    @property
+    def _pin(self) -> bool:
+        return self.device.type == "cuda"
+
     def _pinned(self, host: np.ndarray) -> torch.Tensor:
         src = torch.from_numpy(host)
-        if self.device.type == "cuda":
+        if self._pin:
             src = src.pin_memory()  # (the caching host allocator keeps it until the copy ran)
         return src
-
-    def _to_device(self, dst: torch.Tensor, host: np.ndarray) -> None:
-        dst.copy_(self._pinned(host), non_blocking=True)
 
     def _check(self, page_table, seq_lens, slots, inputs) -> int:
         """The batch size, after checking shapes (ValueError naming the bad argument)."""
@@ -325,6 +356,14 @@ class DecodeGraph:
             raise RuntimeError("DecodeGraph.run before capture(): call capture(step) first")
         self.graphs[b].replay()
         return _rows(self.outputs[b], n)
+
+
+def _numpy_dtype(d: torch.dtype) -> np.dtype | None:
+    """The numpy dtype of torch dtype ``d`` (None where numpy has none: bf16, fp8)."""
+    try:
+        return torch.empty(0, dtype=d).numpy().dtype
+    except TypeError:
+        return None
 
 
 def _rows(out, n: int):

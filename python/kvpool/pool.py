@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool._args import as_index
+from kvpool._launch import Generation
 from kvpool._torch import torch
 
 if TYPE_CHECKING:
@@ -20,8 +21,11 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class LayerView:
+class LayerView(Generation):
     """One layer's buffers, as the write and attention kernels take them.
+
+    Every attribute set gives the view a new generation (:class:`kvpool._launch.Generation`):
+    the launches recorded on it apply while it keeps the one they were made at.
 
     Shapes (``R`` = rows of the layer's page space, ``(num_pages + 1) * page_size``; ``H`` = KV
     heads per rank, ``D``/``Dv`` = K/V head dims as stored; MLA: ``v`` is None and ``k`` is the
@@ -165,7 +169,10 @@ class KVPool:
         self._shared = {
             i: src for i, src in enumerate(plan.shared_sources) if src is not None
         }
+        # layer index -> view, shared layers included: the per-call lookup of write/decode
+        self._by_index = {i: self._views[src] for i, src in self._shared.items()} | self._views
         self.scales_source: str | None = None
+        self._scales_checked = False
 
     @property
     def layers(self) -> list[int]:
@@ -183,6 +190,10 @@ class KVPool:
         KeyError
             ``layer`` is out of range or stores no KV (linear attention).
         """
+        if type(layer) is int:  # (the per-call fast path; a bool or float goes the slow way)
+            view = self._by_index.get(layer)
+            if view is not None:
+                return view
         try:
             # (an int or numpy integer; 0.0 would find layer 0 through the dict's hash)
             i = as_index(layer)
@@ -318,10 +329,9 @@ class KVPool:
         KeyError
             ``layer`` stores no KV.
         """
-        from kvpool.write import write_kv
-
-        self._warn_missing_scales_once()
-        write_kv(self.layer(layer), loc, k, v, debug=self.debug if debug is None else debug)
+        if not self._scales_checked:
+            self._warn_missing_scales_once()
+        _write_kv()(self.layer(layer), loc, k, v, debug=self.debug if debug is None else debug)
 
     def dequantize(
         self, layer: int, loc: torch.Tensor, out_dtype: torch.dtype = torch.float32
@@ -345,7 +355,7 @@ class KVPool:
         Scales from a checkpoint, a JSON file, calibration or the caller never warn. The read
         paths (decode/extend) may call this too; it acts once.
         """
-        if getattr(self, "_scales_checked", False):
+        if self._scales_checked:
             return
         self._scales_checked = True
         if self.scales_source is not None:
@@ -366,11 +376,11 @@ class KVPool:
         ``window``, ``sinks``, ``softcap``, ``backend``, ``plan``, ``out``, ``debug``) as in
         :func:`kvpool.attention.decode`; ``debug`` defaults to ``pool.debug``.
         """
-        from kvpool import attention
-
-        self._warn_missing_scales_once()
-        kwargs.setdefault("debug", self.debug)
-        return attention.decode(self.layer(layer), q, page_table, seq_lens, **kwargs)
+        if not self._scales_checked:
+            self._warn_missing_scales_once()
+        if "debug" not in kwargs:
+            kwargs["debug"] = self.debug
+        return _attention().decode(self.layer(layer), q, page_table, seq_lens, **kwargs)
 
     def extend(
         self,
@@ -387,8 +397,32 @@ class KVPool:
         whose K/V were already written; they attend causally to their whole sequence. Keyword
         arguments as in :func:`kvpool.attention.extend`; ``debug`` defaults to ``pool.debug``.
         """
-        from kvpool import attention
+        if not self._scales_checked:
+            self._warn_missing_scales_once()
+        if "debug" not in kwargs:
+            kwargs["debug"] = self.debug
+        attend = _attention().extend
+        return attend(self.layer(layer), q, cu_seqlens_q, page_table, seq_lens, **kwargs)
 
-        self._warn_missing_scales_once()
-        kwargs.setdefault("debug", self.debug)
-        return attention.extend(self.layer(layer), q, cu_seqlens_q, page_table, seq_lens, **kwargs)
+
+# kvpool.write and kvpool.attention, imported at first use (not at ``import kvpool``) and then
+# looked up without the import machinery's per-call cost (the per-layer hot path)
+_LAZY: dict[str, Any] = {}
+
+
+def _write_kv():
+    fn = _LAZY.get("write_kv")
+    if fn is None:
+        from kvpool.write import write_kv as fn
+
+        _LAZY["write_kv"] = fn
+    return fn
+
+
+def _attention():
+    mod = _LAZY.get("attention")
+    if mod is None:
+        from kvpool import attention as mod
+
+        _LAZY["attention"] = mod
+    return mod

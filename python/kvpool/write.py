@@ -236,11 +236,10 @@ def write_kv(
         A shape, dtype or device that does not fit the layer; on the torch path (or with
         ``debug``) also out-of-range/repeated slots and non-finite values.
     """
-    key = None
-    if not debug:  # a write of a kind seen before: replay its launch (see _replay_write)
-        key = _write_key(layer, loc, k, v, backend, block_t, num_warps)
-        if key is not None and _replay_write(layer, key, loc, k, v):
-            return
+    # a write of a kind seen before: replay its launch (see _replay_write)
+    if not debug and _replay_write(layer, loc, k, v, backend, block_t, num_warps):
+        return
+    key = None if debug else _write_key(layer, loc, k, v, backend, block_t, num_warps)
     loc = as_device_tensor("loc", loc, layer.k.device, (torch.int32, torch.int64))
     t = _check_inputs(layer, loc, k, v)
     triton_path = _use_triton(backend, layer.k.device)
@@ -259,7 +258,8 @@ def write_kv(
         return
     launch = _launch.Launch(fn, grid, args, kwargs, per_call, layer.k.device)
     launch(*per_call)
-    _launch.records(layer)[key] = (_WRITE_VIEW(layer), launch, MODES[layer.dtype] >= 3)
+    rec = (_WRITE_VIEW(layer), launch, MODES[layer.dtype] >= 3, _launch.generation(layer))
+    _launch.records(layer)[key] = rec
 
 
 # The layer fields a write reads (a record is valid while they are the same objects).
@@ -279,25 +279,60 @@ def _write_key(layer, loc, k, v, backend, block_t, num_warps) -> tuple | None:
     if v is not None and type(v) is not torch.Tensor:
         return None
     try:
-        key = ("write", tensor_key(loc), tensor_key(k), tensor_key(v), backend, block_t, num_warps)
+        # (v is k: a record made with one tensor for both has one set of argument positions)
+        key = ("write", tensor_key(loc), tensor_key(k), tensor_key(v), v is k, backend, block_t,
+               num_warps)  # fmt: skip
         hash(key)
     except TypeError:
         return None
     return key
 
 
-def _replay_write(layer, key, loc, k, v) -> bool:
-    """Launch the write recorded under ``key`` with these tensors; False if there is none.
+def _replay_write(layer, loc, k, v, backend, block_t, num_warps) -> bool:
+    """Launch the write recorded for a call like this one with these tensors; False if none.
 
-    A record is made by a write of the same key that passed every check (the Triton path
-    only: the torch path checks values on every call, so it is never recorded).
+    A record is made by a write of the same key (:func:`_write_key`, built inline here: this
+    is the per-layer hot path) that passed every check (the Triton path only: the torch path
+    checks values on every call, so it is never recorded). It applies while the layer is at
+    the record's generation (:class:`kvpool._launch.Generation`), or its fields are the same.
     """
-    rec = layer.__dict__.get("_launch_records", {}).get(key)
-    if rec is None or not all(map(is_, rec[0], _WRITE_VIEW(layer))):
+    recs = layer.__dict__.get("_launch_records")
+    if not recs or not _launch.RECORD:
         return False
-    if rec[2]:  # FP4: the kernel reads element pairs as words
-        k, v = _words(k), None if v is None else _words(v)
-    rec[1](loc, k, v if v is not None else k)
+    tensor = torch.Tensor
+    if type(loc) is not tensor or type(k) is not tensor:
+        return False
+    lp, kp = loc.data_ptr(), k.data_ptr()
+    if v is None:
+        vkey = None
+    elif type(v) is not tensor:
+        return False
+    else:
+        vp = v.data_ptr()
+        vkey = (v.dtype, v.shape, v.stride(), v.get_device(), vp & 15)
+    # (= _write_key's, written out)
+    key = ("write", (loc.dtype, loc.shape, loc.stride(), loc.get_device(), lp & 15),
+           (k.dtype, k.shape, k.stride(), k.get_device(), kp & 15), vkey, v is k,
+           backend, block_t, num_warps)  # fmt: skip
+    try:
+        rec = recs.get(key)
+    except TypeError:  # (an unhashable option: checked and refused as usual)
+        return False
+    if rec is None:
+        return False
+    gen = layer.__dict__.get("_gen")
+    if gen is None or rec[3] != gen:
+        if not all(map(is_, rec[0], _WRITE_VIEW(layer))):
+            return False
+    if rec[2]:  # FP4: the kernel reads element pairs as words (a copy where they straddle)
+        k = _words(k)
+        kp = k.data_ptr()
+        if v is not None:
+            v = _words(v)
+            vp = v.data_ptr()
+    if v is None:
+        v, vp = k, kp
+    _launch.replay((rec[1],), (loc, k, v), (lp, kp, vp))
     return True
 
 

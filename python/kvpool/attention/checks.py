@@ -10,6 +10,8 @@ import math
 import numbers
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool._args import as_index
 from kvpool._torch import torch
 from kvpool.attention._common import _FP4, _KERNEL_FORMAT, _Q_DTYPES, _STORAGE
@@ -63,15 +65,26 @@ def _same_fields(a: tuple, b: tuple) -> bool:
 
 
 def _check_view(view: LayerView) -> None:
-    """Check a layer view's buffers once (ValueError naming the field); cached while unchanged."""
-    fields = _view_fields(view)
+    """Check a layer view's buffers once (ValueError naming the field); cached while unchanged.
+
+    Unchanged: at the generation it was checked at (:class:`kvpool._launch.Generation`, one
+    compare), or with the same fields.
+    """
+    gen = getattr(view, "_gen", None)
     hit = _VIEWS_OK.get(id(view))
-    if hit is not None and hit[0] is view and _same_fields(hit[1], fields):
-        return
+    if hit is not None and hit[0] is view:
+        if gen is not None and hit[2] == gen:
+            return
+        fields = _view_fields(view)
+        if _same_fields(hit[1], fields):
+            _VIEWS_OK[id(view)] = (view, fields, gen)
+            return
+    else:
+        fields = _view_fields(view)
     _check_view_fields(view)
     if len(_VIEWS_OK) >= 512:
         _VIEWS_OK.clear()
-    _VIEWS_OK[id(view)] = (view, fields)
+    _VIEWS_OK[id(view)] = (view, fields, gen)
 
 
 def _check_view_fields(view: LayerView) -> None:
@@ -193,6 +206,24 @@ def _check_cu_seqlens(cu: torch.Tensor, rows: int | None) -> None:
     if rows is not None and int(cu[-1]) != rows:
         raise ValueError(
             f"`cu_seqlens_q[{len(cu) - 1}]` = {int(cu[-1])}: must equal T = {rows}, the rows of `q`"
+        )
+
+
+def _check_cu_seqlens_host(cu: np.ndarray) -> None:
+    """:func:`_check_cu_seqlens` of a numpy ``cu_seqlens_q`` (no ``rows``), in numpy.
+
+    A plan's one read of it (torch ops on small CPU tensors cost microseconds each).
+    """
+    if cu.shape[0] == 0:
+        raise ValueError("`cu_seqlens_q` is empty: it needs B + 1 entries, from 0")
+    if cu[0] != 0:
+        raise ValueError(f"`cu_seqlens_q[0]` = {int(cu[0])}: must be 0 (non-decreasing from 0)")
+    drop = np.flatnonzero(cu[1:] < cu[:-1])
+    if drop.size:
+        i = int(drop[0]) + 1
+        raise ValueError(
+            f"`cu_seqlens_q[{i}]` = {int(cu[i])} is less than `cu_seqlens_q[{i - 1}]` = "
+            f"{int(cu[i - 1])}: must be non-decreasing"
         )
 
 

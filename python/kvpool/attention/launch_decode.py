@@ -119,15 +119,14 @@ def decode(
         on a bf16 or fp32 view, another head_dim, ...).
     """
     key = None
-    if plan is not None and page_table is None and seq_lens is None and not debug:
+    if (plan is not None and page_table is None and seq_lens is None and not debug
+            and kv_lora_rank is None and view.v is not None):  # fmt: skip
         # a planned call of a kind seen before: replay its launches (attention/replay.py)
-        key = replay.decode_key(
+        done, key = replay.lookup(
             view, q, plan, out, sinks, sm_scale, window, softcap, backend, _MERGE_PDL
         )
-        if key is not None and kv_lora_rank is None and view.v is not None:
-            done = replay.replay_decode(view, key, q, plan, out, sinks, window)
-            if done is not None:
-                return done
+        if done is not None:
+            return done
     # numpy batch metadata (what the Rust batch helpers return): to the device once
     page_table = as_device_tensor("page_table", page_table, view.k.device)
     seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)

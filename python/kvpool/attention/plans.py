@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpool._host import as_device_tensor
+from kvpool._launch import Generation
 from kvpool._torch import torch
 from kvpool.attention import gluon_knobs as knobs_mod
 from kvpool.attention import splits, variants
 from kvpool.attention._common import _FP4, _pow2
 from kvpool.attention.checks import (
     _check,
-    _check_cu_seqlens,
+    _check_cu_seqlens_host,
     _check_knob,
     _check_view,
     _group,
@@ -39,8 +40,11 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DecodePlan:
+class DecodePlan(Generation):
     """Launch metadata of :func:`decode` for one batch, reused by every layer.
+
+    Every attribute set gives the plan a new generation (:class:`kvpool._launch.Generation`):
+    the record key cached on it is made again after a change.
 
     Attributes
     ----------
@@ -182,7 +186,7 @@ def _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits, knobs=
             num_splits = default_splits(b, heads, ctx, dev, block_n, 1, per_sm, _GLUON_OVERHEAD)
         name += "_multi" if knobs.multi else ""
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
-    return DecodePlan(
+    return DecodePlan.fresh(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,
@@ -440,7 +444,7 @@ def plan_decode(
     if maxnreg is not None:
         maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
-    return DecodePlan(
+    return DecodePlan.fresh(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,
@@ -530,22 +534,36 @@ def plan_extend(
     num_stages: int | None = None,
     asm: bool | None = None,
     kv_lora_rank: int | None = None,
+    host_cu_seqlens_q: np.ndarray | None = None,
 ) -> ExtendPlan | MLAExtendPlan:
     """Plan :func:`extend` for one batch: the list of non-empty (request, token block) pairs.
 
     Reads ``cu_seqlens_q`` on the host once (one sync per batch, not per layer; none when it
-    is a numpy array) and checks it (ValueError unless non-decreasing from 0). ``cu_seqlens_q``,
-    ``page_table`` and ``seq_lens`` may be numpy int32 arrays (the batch helpers' output):
-    copied to ``view``'s device once here (pinned, ``non_blocking``); the plan keeps the
-    copies. Tile options left as None take the measured defaults (``_extend_tiles``);
-    ``asm=None`` the default decode path of the dtype (word-level for FP4). An MLA layer is
-    planned by
+    is a numpy array or ``host_cu_seqlens_q``, its host copy, is given) and checks it
+    (ValueError unless non-decreasing from 0). ``cu_seqlens_q``, ``page_table`` and
+    ``seq_lens`` may be numpy int32 arrays (the batch helpers' output): copied to ``view``'s
+    device once here (pinned, ``non_blocking``); the plan keeps the copies. The work list is
+    built with numpy and copied through pinned memory (no sync). Tile options left as None
+    take the measured defaults (``_extend_tiles``); ``asm=None`` the default decode path of
+    the dtype (word-level for FP4). An MLA layer is planned by
     :func:`kvpool.attention.mla.plan_mla_extend`.
+
+    ``host_cu_seqlens_q``: ``[B + 1]`` int32/int64 numpy, the same values as
+    ``cu_seqlens_q`` (a device tensor, e.g. from one packed copy of the step's metadata),
+    read instead of it. It must equal it (not checked on the device: that would sync).
     """
     # numpy batch metadata (what the Rust batch helpers return): to the device once
     page_table = as_device_tensor("page_table", page_table, view.k.device)
     seq_lens = as_device_tensor("seq_lens", seq_lens, view.k.device)
     cu_np = cu_seqlens_q if isinstance(cu_seqlens_q, np.ndarray) else None  # (read as is)
+    if host_cu_seqlens_q is not None:
+        ok = (np.int32, np.int64)
+        if not isinstance(host_cu_seqlens_q, np.ndarray) or host_cu_seqlens_q.dtype not in ok:
+            raise ValueError(
+                f"`host_cu_seqlens_q` is {type(host_cu_seqlens_q).__name__} "
+                f"{getattr(host_cu_seqlens_q, 'dtype', '')}: expected a numpy int32/int64 array"
+            )
+        cu_np = host_cu_seqlens_q
     cu_seqlens_q = as_device_tensor("cu_seqlens_q", cu_seqlens_q, view.k.device)
     if view.v is None:
         return plan_mla_extend(
@@ -560,13 +578,15 @@ def plan_extend(
     )
     _check_fp4_tile(view, block_n)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu_host = cu_seqlens_q.cpu() if cu_np is None else torch.from_numpy(cu_np)
-    _check_cu_seqlens(cu_host.long(), None)  # read on the host here anyway
-    cu = cu_host.tolist()
-    work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], block_t)]
-    work_t = torch.tensor(work or [(0, 0)], dtype=torch.int32).reshape(-1, 2).to(dev)
-    if not work:
-        work_t = work_t[:0]
+    if cu_np is not None and cu_np.shape != tuple(cu_seqlens_q.shape):
+        raise ValueError(
+            f"`host_cu_seqlens_q` has shape {cu_np.shape}, `cu_seqlens_q` "
+            f"{tuple(cu_seqlens_q.shape)}"
+        )
+    cu_host = cu_seqlens_q.cpu().numpy() if cu_np is None else cu_np
+    cu_host = cu_host.astype(np.int64, copy=False)
+    _check_cu_seqlens_host(cu_host)  # read on the host here anyway
+    work_t = _work_list(cu_host, block_t, dev)
     return ExtendPlan(
         cu_seqlens_q,
         page_table,
@@ -578,3 +598,22 @@ def plan_extend(
         num_stages,
         _asm_default(view, "extend") if asm is None else bool(asm) and _asm_ok(view),
     )
+
+
+def _work_list(cu: np.ndarray, block_t: int, dev: torch.device) -> torch.Tensor:
+    """``[n, 2]`` int32 on ``dev``: ``(request, first new token)`` of every non-empty block.
+
+    Blocks of ``block_t`` new tokens, request after request (``cu``: checked
+    ``cu_seqlens_q``).
+    """
+    q_len = np.diff(cu)
+    blocks = -(-q_len // block_t)
+    n = int(blocks.sum())
+    work = np.empty((n, 2), np.int32)
+    work[:, 0] = np.repeat(np.arange(q_len.shape[0], dtype=np.int32), blocks)
+    first = np.cumsum(blocks) - blocks  # each request's first block in the list
+    work[:, 1] = (np.arange(n) - np.repeat(first, blocks)) * block_t
+    t = torch.from_numpy(work)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)

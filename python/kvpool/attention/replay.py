@@ -43,24 +43,46 @@ _PLAN_OPTIONS = attrgetter("num_q_heads", "num_splits", "block_n", "num_warps", 
 class DecodeRecord:
     """The launches of one kind of planned decode call (see the module docstring)."""
 
-    __slots__ = ("fields", "launches", "shape", "dtype", "device", "check")
+    __slots__ = ("fields", "launches", "shape", "dtype", "device", "check", "gen")
 
     def __init__(self, view, launches, out: torch.Tensor, check: bool):
         self.fields = _VIEW(view)
         self.launches = launches
         self.shape, self.dtype, self.device = tuple(out.shape), out.dtype, out.device
         self.check = check
+        self.gen = _launch.generation(view)
 
 
 def _plan_key(plan: DecodePlan) -> tuple:
-    """The plan's part of the key, cached on the plan while its fields are the same objects."""
-    tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
-    hit = plan.__dict__.get("_launch_key")
-    if hit is not None and all(map(is_, hit[0], tensors)) and hit[1] == options:
-        return hit[2]
+    """``(key, tensors)``: the plan's part of the key and its tensors (for their pointers).
+
+    Cached on the plan for its generation (:class:`kvpool._launch.Generation`); a plan without
+    one (or at another) is keyed again unless its fields are the same objects as when cached.
+    The pointers are read on every call (a tensor re-pointed in place, ``set_``, still
+    launches on its memory).
+    """
+    d = plan.__dict__
+    hit, gen = d.get("_launch_key"), d.get("_gen")
+    if hit is not None:
+        if gen is not None and hit[0] == gen:
+            return hit[1], hit[2]
+        tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
+        if all(map(is_, hit[2], tensors)) and hit[3] == options:
+            d["_launch_key"] = (gen, *hit[1:])
+            return hit[1], hit[2]
+    else:
+        tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
     key = (type(plan), *map(tensor_key, tensors), *options)
-    plan.__dict__["_launch_key"] = (tensors, options, key)
-    return key
+    d["_launch_key"] = (gen, key, tensors, options)
+    return key, tensors
+
+
+def _key(t: torch.Tensor | None) -> tuple[tuple | None, int | None]:
+    """``(tensor_key(t), t.data_ptr())`` with one ``data_ptr`` call; ``(None, None)`` for None."""
+    if t is None:
+        return None, None
+    p = t.data_ptr()
+    return (t.dtype, t.shape, t.stride(), t.get_device(), p & 15), p
 
 
 def decode_key(
@@ -70,40 +92,86 @@ def decode_key(
 
     ``merge_pdl``: ``launch_decode._MERGE_PDL`` (the caller's module switch).
     """
-    if not _launch.RECORD or type(plan) is not DecodePlan or type(q) is not torch.Tensor:
-        return None
-    if out is not None and type(out) is not torch.Tensor:
-        return None
-    if sinks is not None and type(sinks) is not torch.Tensor:
-        return None
+    key = _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl)[0]
     try:
-        key = (
-            _plan_key(plan), tensor_key(q), tensor_key(out), tensor_key(sinks),
-            sm_scale, window, softcap, backend,
-            merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
-            id(variants._GLUON_FP8_OPTIONS),
-        )  # fmt: skip
         hash(key)
     except TypeError:  # an unhashable option: the call is checked (and refused) as usual
         return None
     return key
 
 
-def replay_decode(view: LayerView, key, q, plan, out, sinks, window) -> torch.Tensor | None:
-    """The output of the recorded call ``key``, or None when there is no valid record."""
-    rec = view.__dict__.get("_launch_records", {}).get(key)
-    if rec is None or not all(map(is_, rec.fields, _VIEW(view))):
-        return None
+def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl):
+    """``(key, pointers)`` of :func:`decode_key`; ``(None, None)`` when not recorded.
+
+    Pointers: q, out, sinks, then the plan's tensors. (The per-layer hot path: the tensor keys
+    are :func:`_key` written out.)
+    """
+    tensor = torch.Tensor
+    if not _launch.RECORD or type(plan) is not DecodePlan or type(q) is not tensor:
+        return None, None
+    qp = q.data_ptr()
+    qk = (q.dtype, q.shape, q.stride(), q.get_device(), qp & 15)
+    if out is None:
+        ok = op = None
+    elif type(out) is not tensor:
+        return None, None
+    else:
+        ok, op = _key(out)
+    if sinks is None:
+        sk = sp = None
+    elif type(sinks) is not tensor:
+        return None, None
+    else:
+        sk, sp = _key(sinks)
+    pk, (pt, sl, po, pl) = _plan_key(plan)
+    key = (
+        pk, qk, ok, sk, sm_scale, window, softcap, backend,
+        merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
+        id(variants._GLUON_FP8_OPTIONS),
+    )  # fmt: skip
+    # (not hashed here: the record lookup hashes it, and refuses an unhashable option)
+    po = None if po is None else po.data_ptr()
+    pl = None if pl is None else pl.data_ptr()
+    return key, [qp, op, sp, pt.data_ptr(), sl.data_ptr(), po, pl]
+
+
+def lookup(view, q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl):
+    """``(output, key)`` of a planned decode call.
+
+    The output when a valid record replayed it (key None), else None and the key to record
+    the call under (None: not recorded). A record applies while the view is at its
+    generation, or its fields are the same objects.
+    """
+    key, ptrs = _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_pdl)
+    if key is None:
+        return None, None
+    d = view.__dict__
+    try:
+        rec = d.get("_launch_records", _NONE).get(key)
+    except TypeError:  # an unhashable option: the call is checked (and refused) as usual
+        return None, None
+    if rec is None:
+        return None, key
+    gen = d.get("_gen")
+    if (gen is None or rec.gen != gen) and not all(map(is_, rec.fields, _VIEW(view))):
+        return None, key
     if out is None:
         out = torch.empty(rec.shape, dtype=rec.dtype, device=rec.device)
+        ptrs[1] = out.data_ptr()
     if rec.check:  # CPU tensors: the batch values are checked on every call
-        from kvpool.attention import launch_decode
-
-        launch_decode._check_batch(view, plan.page_table, plan.seq_lens, window=window)
+        _check_batch()(view, plan.page_table, plan.seq_lens, window=window)
     pc = (q, out, sinks, plan.page_table, plan.seq_lens, plan.part_out, plan.part_lse)
-    for launch in rec.launches:
-        launch(*pc)
-    return out
+    _launch.replay(rec.launches, pc, ptrs)
+    return out, None
+
+
+_NONE: dict = {}
+
+
+def _check_batch():
+    from kvpool.attention import launch_decode  # (a cycle at import time)
+
+    return launch_decode._check_batch
 
 
 def record_decode(view, key, calls: list, q, plan, out, sinks, page_table, seq_lens) -> None:

@@ -6,10 +6,12 @@
 
 use std::borrow::Cow;
 
-use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::{
+    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::type_object::PyTypeCheck;
+use pyo3::type_object::{PyTypeCheck, PyTypeInfo};
 use pyo3::types::{PyBool, PyInt, PySlice, PyTuple};
 
 use super::detach::View;
@@ -139,7 +141,12 @@ fn describe(obj: &Bound<'_, PyAny>) -> String {
 /// Refuses a numpy masked array (an ndarray subclass whose data under the mask is arbitrary: its
 /// values are not the ids the caller means). Plain arrays pay one type comparison.
 fn masked(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<()> {
-    if obj.get_type().name().is_ok_and(|n| n == "ndarray") || obj.getattr("mask").is_err() {
+    // (an exact ndarray first, by identity: the per-row check of a page table, issue 22)
+    let t = obj.get_type();
+    if t.is(PyUntypedArray::type_object(obj.py()))
+        || t.name().is_ok_and(|n| n == "ndarray")
+        || obj.getattr("mask").is_err()
+    {
         return Ok(());
     }
     Err(array_type_error(
