@@ -122,8 +122,9 @@ class ModelRunner:
             kw |= batch
         attend = pool.decode if step.is_decode else pool.extend
         h = m.embed(input_ids)  # [T, hidden]
+        rope = m.rope(step.positions)  # cos/sin once per step, shared by the layers
         for layer in range(m.num_layers):
-            q, k, v = m.qkv(layer, h, step.positions)  # [T, heads, head_dim], K after RoPE
+            q, k, v = m.qkv(layer, h, rope)  # [T, heads, head_dim], K after RoPE
             pool.write(layer, step.out_loc, k, v)  # quantize and store at the new tokens' slots
             o = attend(layer, q, **kw)  # attention over the pool: cached prefix + new tokens
             h = m.finish_layer(layer, h, o)  # o_proj, MLP, residuals
