@@ -285,10 +285,16 @@ def test_compiled_model_in_captured_decode_graphs_gpu(kv_dtype):
     assert runs[0] == runs[1] and all(s == "finished" for s, _ in runs[0])
     ids = torch.tensor(prompts[0] + prompts[1], device="cuda")
     eager = model("bf16", seed=8, device="cuda")
+    exact = model("fp32", seed=8, device="cuda")  # (the same weights in fp32: the yardstick)
     logits = []
-    for mm in (m, eager):
-        pool = serve.make_pool(mm, "bf16", 160, 4)
+    for mm in (m, eager, exact):
+        pool = serve.make_pool(mm, mm.spec.dtype, 160, 4)
         step = Step.build([list(range(1, 11)), list(range(11, 21))], [0, 0],
                           [len(prompts[0]), len(prompts[1])], 4, device="cuda")  # fmt: skip
-        logits.append(mm.forward(pool, ids, step, all_logits=True))
-    torch.testing.assert_close(logits[0], logits[1], rtol=0.05, atol=0.05)
+        logits.append(mm.forward(pool, ids, step, all_logits=True).float())
+    # Inductor keeps fused chains (norm, RoPE, SiLU) in fp32 where eager rounds each op to bf16
+    # (run 14 on the H200: 8% of the logits 0.05+ apart, up to 0.41): so the compiled forward is
+    # held to the eager one's distance from the fp32 model, not to the eager logits themselves.
+    err_c = (logits[0] - logits[2]).abs().max().item()
+    err_e = (logits[1] - logits[2]).abs().max().item()
+    assert err_c <= 1.5 * err_e + 1e-2, (err_c, err_e)
