@@ -1,0 +1,225 @@
+"""MLA decode at 64 heads a program in Gluon, on Hopper warpgroup MMAs (plan ``kernel="mla_gluon"``).
+
+``@gluon.jit`` code only; the planner and launcher live in ``kvpool.attention.mla_gluon``
+(16-bit caches, DeepSeek/Kimi's latent ``DL`` 512 + ``DR`` 64, sm_90, Triton 3.6).
+
+Absorbed MLA (see ``mla.py``): every head of a request attends to the same latent rows, K = the
+whole row of ``DL + DR`` values, V = its first ``DL``. One program = one request x ``BLOCK_H``
+= 64 heads x one KV split, 8 warps = two warpgroups (grid ``(cdiv(H, 64), B, splits)``: at 128
+heads the two head blocks of a request run side by side and share its tiles through L2).
+
+Why (issue 17): Triton's head-block kernel with 64 heads and 8 warps let both warpgroups compute
+the same 64 x 64 score tile and overlapped the loads poorly (244 TFLOP/s bf16 on the H200 at
+DeepSeek TP 1, B=64 x 8k). Here the work is split between the warpgroups without duplication,
+by the accumulator layouts (``warps_per_cta [4, 2]``: warps 0-3 = warpgroup 0 on the M side,
+the two warpgroups side by side on N):
+
+- ``S = Q K^T`` ``[64 heads, BLOCK_N tokens]``: Q (``[64, DL]`` and ``[64, DR]``, cast to the
+  cache's dtype) is staged once in shared memory as the A operand; K^T is the tile in shared
+  memory seen transposed (K-major B). Warpgroup ``w`` computes tokens ``w * BLOCK_N / 2 ..``;
+  the row max / sum of the softmax cross the two warpgroups through shared memory (the
+  compiler's reductions).
+- ``P`` (the cache's dtype) goes to shared memory, the A operand of ``O += P V``, ``O [64, DL]``
+  fp32: warpgroup ``w`` holds value columns ``w * DL / 2 ..`` (``[64, 256]``, 128 registers a
+  thread). V is the same shared tile's first ``DL`` columns (N-major B): read from global once.
+- Loads: a ring of ``STAGES`` tiles (``[BLOCK_N, DL]`` and ``[BLOCK_N, DR]``) filled by
+  ``cp.async`` with one row address per token from the page table (any page size), so tile
+  ``i + STAGES - 1``'s copies run under tile ``i``'s MMAs; the page ids of the tile issued next
+  are loaded one iteration ahead. Rows past ``seq_len`` repeat the last token (their scores
+  are masked), so no load is masked and no slot at or past ``seq_len`` is read.
+
+Online softmax in log2 units as the repo's other kernels. ``FINAL`` (one split): ``out [B, H,
+DL]``; else the split's normalized partial output ``PO [B*H, num_splits, DL]`` fp32 and its
+log2-sum-exp ``PL [B*H, num_splits]`` (an empty split: (0, -inf)) for ``decode.merge_kernel``.
+
+Shared memory: Q 72 KiB + ``STAGES`` x ``BLOCK_N`` x 1,152 bytes + P (``64 x BLOCK_N`` x 2):
+64-token tiles fit 2 stages, 32-token tiles 3 or 4 (227 KiB a block); one program a
+multiprocessor.
+"""
+
+import triton  # noqa: F401  (Gluon needs Triton's runtime)
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+LOG2E = gl.constexpr(1.4426950408889634)
+BLOCK_H = gl.constexpr(64)  # heads a program: the M of one warpgroup MMA
+
+
+@triton.constexpr_function
+def _acc_layout(n):
+    """Accumulator ``[64, n]`` of both warpgroups side by side on N (``n / 2`` columns each)."""
+    return gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16]
+    )
+
+
+@triton.constexpr_function
+def _row_layout(n):
+    """Loads of ``[rows, n]`` 16-bit values: 16 bytes a lane, a warp along one row (``n``
+    >= 256) or 4 rows of 64 values (``n`` 64), the 8 warps on rows."""
+    if n >= 256:
+        return gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
+    return gl.BlockedLayout([1, 8], [32 * 8 // n, n // 8], [8, 1], [1, 0])
+
+
+@gluon.jit
+def _rows(s, end, pt_row, page_shift, page_mask, r):
+    """Cache rows (int64) of tokens ``s + r``, clamped to ``[0, end - 1]`` (rows past the end
+    repeat the last token; an empty request reads row 0 of page 0, never used)."""
+    t = gl.maximum(gl.minimum(s + r, end - 1), 0)
+    page = gl.load(pt_row + (t >> page_shift), mask=t < end, other=0)
+    return page.to(gl.int64) * (page_mask + 1) + (t & page_mask)
+
+
+@gluon.jit
+def _issue(kn_s, kr_s, stage, KV, stride_kr, rows_n, rows_r, cn, cr, DL: gl.constexpr):
+    """cp.async of one tile's rows (``rows_n`` in the ``DL`` piece's load layout, ``rows_r``
+    in the ``DR`` piece's) into ring stage ``stage``: one commit group."""
+    async_copy.async_copy_global_to_shared(
+        kn_s.index(stage), KV + (rows_n * stride_kr)[:, None] + cn[None, :]
+    )
+    async_copy.async_copy_global_to_shared(
+        kr_s.index(stage), KV + DL + (rows_r * stride_kr)[:, None] + cr[None, :]
+    )
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=["stride_pt", "num_splits"])  # (they change between steps)
+def mla_gluon_decode_kernel(
+    Q,
+    KV,
+    PT,
+    SEQ,
+    OUT,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_kr,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    sm_scale,
+    page_shift,
+    num_splits,
+    H,
+    DL: gl.constexpr,
+    DR: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    FINAL: gl.constexpr,
+):
+    """Grid ``(cdiv(H, 64), B, num_splits)``, 8 warps. ``Q [B, H, DL + DR]`` (any float
+    dtype; cast to the cache's), ``KV [R, DL + DR]`` bf16/fp16 rows (stride ``stride_kr``
+    values, 16-byte aligned), ``PT [B, max_pages]`` / ``SEQ [B]`` int32, ``OUT [B, H, DL]``;
+    ``PO`` / ``PL`` as in the module docstring (unused with ``FINAL``)."""
+    gl.static_assert(DL == 512 and DR == 64, "the latent is 512 + 64 values (DeepSeek/Kimi)")
+    gl.static_assert(STAGES >= 2, "a ring of >= 2 stages")
+    gl.static_assert(BLOCK_N == 32 or BLOCK_N == 64, "32- or 64-token tiles")
+    CDT: gl.constexpr = KV.dtype.element_ty
+    S_L: gl.constexpr = _acc_layout(BLOCK_N)
+    O_L: gl.constexpr = _acc_layout(DL)
+    LN: gl.constexpr = _row_layout(DL)
+    LR: gl.constexpr = _row_layout(DR)
+    SW_N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], CDT)
+    SW_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], CDT)
+    SW_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], CDT)
+
+    hb = gl.program_id(0)
+    b = gl.program_id(1)
+    split = gl.program_id(2)
+    page_mask = (1 << page_shift) - 1
+    seq = gl.load(SEQ + b)
+    chunk = gl.cdiv(gl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq)
+    pt_row = PT + b.to(gl.int64) * stride_pt
+    qk_scale = sm_scale * LOG2E
+
+    # Q once into shared memory (A operand of S), heads past H zero
+    qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LN))
+    qc = gl.arange(0, DL, layout=gl.SliceLayout(0, LN))
+    qrow = Q + b.to(gl.int64) * stride_qb + qh[:, None] * stride_qh
+    qn = gl.load(qrow + qc[None, :], mask=(qh < H)[:, None], other=0.0).to(CDT)
+    qn_s = gl.allocate_shared_memory(CDT, [BLOCK_H, DL], SW_N, qn)
+    qhr = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LR))
+    qcr = gl.arange(0, DR, layout=gl.SliceLayout(0, LR))
+    qrow_r = Q + b.to(gl.int64) * stride_qb + qhr[:, None] * stride_qh + DL
+    qr = gl.load(qrow_r + qcr[None, :], mask=(qhr < H)[:, None], other=0.0).to(CDT)
+    qr_s = gl.allocate_shared_memory(CDT, [BLOCK_H, DR], SW_R, qr)
+
+    kn_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DL], SW_N)
+    kr_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DR], SW_R)
+    p_s = gl.allocate_shared_memory(CDT, [BLOCK_H, BLOCK_N], SW_P)
+
+    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LN))
+    cn = gl.arange(0, DL, layout=gl.SliceLayout(0, LN))
+    rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LR))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, LR))
+    for j in gl.static_range(STAGES - 1):
+        sj = start + j * BLOCK_N
+        _issue(
+            kn_s, kr_s, j, KV, stride_kr,
+            _rows(sj, end, pt_row, page_shift, page_mask, rn),
+            _rows(sj, end, pt_row, page_shift, page_mask, rr),
+            cn, cr, DL,
+        )  # fmt: skip
+    sn = start + (STAGES - 1) * BLOCK_N
+    nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
+    nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=O_L)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    fence_async_shared()  # (Q's stores, generic proxy, before the MMAs read it)
+    i = 0
+    for s in range(start, end, BLOCK_N):
+        # every warp is done with tile i - 1 (its stage is refilled now, and P rewritten
+        # below): the MMAs are synchronous
+        gl.thread_barrier()
+        _issue(kn_s, kr_s, (i + STAGES - 1) % STAGES, KV, stride_kr, nrn, nrr, cn, cr, DL)
+        sn = s + STAGES * BLOCK_N  # (past the end: the last token again, unused)
+        nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
+        nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()  # the tile's rows, copied by every thread, are visible
+        fence_async_shared()  # (cp.async writes before the MMAs' async-proxy reads)
+        kn = kn_s.index(i % STAGES)
+        kr = kr_s.index(i % STAGES)
+
+        sacc = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False)
+        sacc = warpgroup_mma(qr_s, kr.permute((1, 0)), sacc)
+        sacc = gl.where(((s + cols) < end)[None, :], sacc * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sacc, axis=1))  # (finite: the tile has a token)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(sacc - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+
+        p_s.store(p.to(CDT))
+        fence_async_shared()
+        gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        acc = warpgroup_mma(p_s, kn, acc)
+        i += 1
+    async_copy.wait_group(0)  # (no copy outlives the program)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+    heads = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+    oc = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+    hmask = heads < H
+    l_safe = gl.where(l_o > 0, l_o, 1.0)
+    o = acc / l_safe[:, None]
+    if FINAL:
+        optr = OUT + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + oc[None, :]
+        gl.store(optr, o.to(OUT.dtype.element_ty), mask=hmask[:, None])
+    else:
+        lse = gl.where(l_o > 0, m_o + gl.log2(l_safe), float("-inf"))
+        row = (b * H + heads).to(gl.int64) * num_splits + split
+        gl.store(PO + row[:, None] * DL + oc[None, :], o, mask=hmask[:, None])
+        gl.store(PL + row, lse, mask=hmask)
