@@ -1,4 +1,4 @@
-"""MLA decode at 64 heads a program in Gluon, on Hopper warpgroup MMAs (plan ``kernel="mla_gluon"``).
+"""MLA decode, 64 heads a program, in Gluon on Hopper warpgroup MMAs (``kernel="mla_gluon"``).
 
 ``@gluon.jit`` code only; the planner and launcher live in ``kvpool.attention.mla_gluon``
 (16-bit caches, DeepSeek/Kimi's latent ``DL`` 512 + ``DR`` 64, sm_90, Triton 3.6).
