@@ -175,7 +175,7 @@ def mla_gluon_decode_kernel(
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=O_L)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    fence_async_shared()  # (Q's stores, generic proxy, before the MMAs read it)
+    fence_async_shared()  # (Q's stores before the MMAs' reads; the loop's barrier follows)
     i = 0
     for s in range(start, end, BLOCK_N):
         # every warp is done with tile i - 1 (its stage is refilled now, and P rewritten
@@ -186,8 +186,10 @@ def mla_gluon_decode_kernel(
         nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
         nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
         async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()  # the tile's rows, copied by every thread, are visible
-        fence_async_shared()  # (cp.async writes before the MMAs' async-proxy reads)
+        # each thread's cp.async writes (generic proxy) ordered before the MMAs' async-proxy
+        # reads, then every thread's rows visible: fence by the writer, then the barrier
+        fence_async_shared()
+        gl.thread_barrier()
         kn = kn_s.index(i % STAGES)
         kr = kr_s.index(i % STAGES)
 
