@@ -47,8 +47,8 @@ def test_refusals_name_the_value():
     c = Latent("bf16", [40, 3], rank=512, rope=64)
     with pytest.raises(ValueError, match="CPU tensor"):
         _plan(c, 128)
-    with pytest.raises(ValueError, match="fp8_e4m3 cache"):
-        _plan(Latent("fp8_e4m3", [40, 3], rank=512, rope=64), 128)
+    with pytest.raises(ValueError, match="nvfp4 cache"):
+        _plan(Latent("nvfp4", [40, 3], rank=512, rope=64), 128)
     with pytest.raises(ValueError, match="kv_lora_rank 32 \\+ qk_rope_head_dim 16"):
         _plan(Latent("bf16", [40, 3]), 128)
     with pytest.raises(ValueError, match="16-bit dots"):
@@ -81,18 +81,26 @@ def test_knobs_and_workspace(monkeypatch):
         _plan(c, 128, block_n=128)
     with pytest.raises(ValueError, match="`num_splits`"):
         _plan(c, 128, num_splits=0)
+    with pytest.raises(ValueError, match="`num_stages` = 6 with block_n 32"):
+        _plan(c, 128, block_n=32, num_stages=6)
+    # fp8 caches: the ring holds bytes, so 32-token tiles take up to 6 stages
+    c8 = Latent("fp8_e5m2", [40, 3, 17], rank=512, rope=64)
+    p = _plan(c8, 128, block_n=32, num_stages=6, num_splits=2)
+    assert (p.kernel, p.block_n, p.num_stages, p.num_splits) == ("mla_gluon", 32, 6, 2)
+    assert _plan(c8, 128).num_stages == 2
 
 
 # ----------------------------------------------------------------------------- GPU
 
 
 @gpu
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_gluon_decode_gpu_deepseek(dtype, page):
     """DeepSeek-V3 at TP 1 (128 heads): the default plan, one split (the direct output), 3 and
     7 splits (the merge; with 7, the 1-token request's later splits are empty), and the
-    32-token tiles at 2, 3 and 4 stages."""
+    32-token tiles at 2, 3 and 4 stages (fp8: also 6). fp8's scale: in the scores, the direct
+    output and the merge."""
     c = Latent(dtype, LENS, rank=512, rope=64, page=page, device="cuda")
     variants = (
         {},
@@ -103,6 +111,8 @@ def test_gluon_decode_gpu_deepseek(dtype, page):
         {"block_n": 32, "num_stages": 3, "num_splits": 4},
         {"block_n": 32, "num_stages": 4, "num_splits": 1},
     )
+    if dtype.startswith("fp8"):
+        variants += ({"block_n": 32, "num_stages": 6, "num_splits": 2},)
     for kw in variants:
         out, ref, plan = _run(c, 128, **kw)
         assert plan.kernel == "mla_gluon"

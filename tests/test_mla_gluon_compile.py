@@ -1,9 +1,10 @@
 """The Gluon MLA decode kernel (``triton_kernels/mla_gluon.py``) compiled for sm_90 on the CPU
-(no GPU needed) at every tile the planner takes (``mla_gluon.STAGES_FIT``), bf16 and fp16
-caches, one split and split outputs: registers <= 255 with no spills (no stack, no local
-memory, ``cuobjdump -res-usage``), shared memory within a block's 227 KiB, and the products on
-warpgroup MMAs of the shapes the design says (``S``: m64 x block_n / 2 per warpgroup, 36
-k-steps over the 576-value row; ``O``: m64n256, block_n / 16 k-steps), fed by ``cp.async``.
+(no GPU needed) at every tile the planner takes (``mla_gluon.STAGES_FIT``,
+``STAGES_FIT_FP8``), bf16, fp16 and fp8 caches, one split and split outputs: registers <= 255
+with no spills (no stack, no local memory, ``cuobjdump -res-usage``), shared memory within a
+block's 227 KiB, and the products on warpgroup MMAs of the shapes the design says (``S``: m64
+x block_n / 2 per warpgroup, 36 k-steps over the 576-value row; ``O``: m64n256, block_n / 16
+k-steps), fed by ``cp.async``.
 
 Triton 3.6 only (``attention.GLUON_TRITON``; 3.9 removed the cp.async call), else skipped:
 ``PYTHONPATH=python:/tmp/gluon-deps pytest tests/test_mla_gluon_compile.py``.
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.skipif(
     f"{variants.GLUON_TRITON} only",
 )
 SMEM_MAX = 227 * 1024  # bytes of shared memory a block may take (H100 / H200)
-TILES = [(bn, st) for bn, fit in mla_gluon.STAGES_FIT.items() for st in fit]
+TILES = [("bf16", bn, st) for bn, fit in mla_gluon.STAGES_FIT.items() for st in fit]
+TILES += [("fp8e4nv", bn, st) for bn, fit in mla_gluon.STAGES_FIT_FP8.items() for st in fit]
 
 
 def compile_sm90(block_n: int, stages: int, final: bool, dtype: str = "bf16"):
@@ -40,8 +42,8 @@ def compile_sm90(block_n: int, stages: int, final: bool, dtype: str = "bf16"):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     consts = dict(DL=512, DR=64, BLOCK_N=block_n, STAGES=stages, FINAL=final)
-    ptrs = dict(Q="*bf16", KV="*" + dtype, PT="*i32", SEQ="*i32", OUT="*bf16", PO="*fp32",
-                PL="*fp32")  # fmt: skip
+    ptrs = dict(Q="*bf16", KV="*" + dtype, KSC="*fp32", PT="*i32", SEQ="*i32", OUT="*bf16",
+                PO="*fp32", PL="*fp32")  # fmt: skip
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in consts:
@@ -72,24 +74,31 @@ def resources(kernel) -> dict:
 
 
 @pytest.mark.parametrize("final", [True, False], ids=["final", "splits"])
-@pytest.mark.parametrize("block_n, stages", TILES, ids=lambda x: str(x))
-def test_tiles_compile_without_spills(block_n, stages, final):
-    k = compile_sm90(block_n, stages, final)
+@pytest.mark.parametrize("dtype, block_n, stages", TILES, ids=lambda x: str(x))
+def test_tiles_compile_without_spills(dtype, block_n, stages, final):
+    k = compile_sm90(block_n, stages, final, dtype)
     r = resources(k)
     assert r["REG"] <= 255 and r["STACK"] == 0 and r["LOCAL"] == 0, r
     assert k.metadata.shared <= SMEM_MAX, k.metadata.shared
-    # the model: Q + the ring + P, plus a little compiler scratch (the row reductions)
-    model = 64 * 576 * 2 + stages * block_n * 576 * 2 + 64 * block_n * 2
+    # the model: Q + the ring (+ fp8's fp16 tile) + P, plus a little compiler scratch (the
+    # row reductions)
+    fp8 = dtype.startswith("fp8")
+    ring = stages * block_n * 576 * (1 if fp8 else 2) + (block_n * 576 * 2 if fp8 else 0)
+    model = 64 * 576 * 2 + ring + 64 * block_n * 2
     assert model <= k.metadata.shared <= model + 2048, (k.metadata.shared, model)
     ptx = k.asm["ptx"]
-    wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
+    op = "f16" if fp8 else "bf16"
+    wg = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.{op}\.{op}", ptx)
     assert wg.count(f"m64n{block_n // 2}k16") == 576 // 16, sorted(set(wg))
     assert wg.count("m64n256k16") == block_n // 16, sorted(set(wg))
     assert "cp.async.cg.shared.global" in ptx
+    if dtype == "fp8e4nv":  # every cache byte of the tile widened once: 144 a thread
+        assert ptx.count("cvt.rn.f16x2.e4m3x2") == block_n * 576 // 256 // 2
 
 
-def test_fp16_cache_compiles():
-    k = compile_sm90(*mla_gluon.DEFAULT_TILE, False, "fp16")
+@pytest.mark.parametrize("dtype", ["fp16", "fp8e5"])
+def test_other_caches_compile(dtype):
+    k = compile_sm90(*mla_gluon.DEFAULT_TILE, False, dtype)
     r = resources(k)
     assert r["REG"] <= 255 and r["STACK"] == 0 and r["LOCAL"] == 0, r
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in k.asm["ptx"]

@@ -1,7 +1,7 @@
 """MLA decode, 64 heads a program, in Gluon on Hopper warpgroup MMAs (``kernel="mla_gluon"``).
 
 ``@gluon.jit`` code only; the planner and launcher live in ``kvpool.attention.mla_gluon``
-(16-bit caches, DeepSeek/Kimi's latent ``DL`` 512 + ``DR`` 64, sm_90, Triton 3.6).
+(bf16/fp16/fp8 caches, DeepSeek/Kimi's latent ``DL`` 512 + ``DR`` 64, sm_90, Triton 3.6).
 
 Absorbed MLA (see ``mla.py``): every head of a request attends to the same latent rows, K = the
 whole row of ``DL + DR`` values, V = its first ``DL``. One program = one request x ``BLOCK_H``
@@ -27,14 +27,18 @@ the two warpgroups side by side on N):
   ``i + STAGES - 1``'s copies run under tile ``i``'s MMAs; the page ids of the tile issued next
   are loaded one iteration ahead. Rows past ``seq_len`` repeat the last token (their scores
   are masked), so no load is masked and no slot at or past ``seq_len`` is read.
+- fp8 caches (e4m3, e5m2): the ring holds the cache's bytes (half the shared memory a stage);
+  each tile is widened to fp16 into one more shared buffer, the MMAs' operand (Hopper's fp8
+  MMA takes B K-major only, and V = the tile is N-major); the per-tensor scale multiplies the
+  scores and the output (split outputs: the merge applies it).
 
 Online softmax in log2 units as the repo's other kernels. ``FINAL`` (one split): ``out [B, H,
 DL]``; else the split's normalized partial output ``PO [B*H, num_splits, DL]`` fp32 and its
 log2-sum-exp ``PL [B*H, num_splits]`` (an empty split: (0, -inf)) for ``decode.merge_kernel``.
 
-Shared memory: Q 72 KiB + ``STAGES`` x ``BLOCK_N`` x 1,152 bytes + P (``64 x BLOCK_N`` x 2):
-64-token tiles fit 2 stages, 32-token tiles 3 or 4 (227 KiB a block); one program a
-multiprocessor.
+Shared memory: Q 72 KiB + ``STAGES`` x ``BLOCK_N`` x 1,152 bytes (fp8: 576, plus one fp16 tile)
++ P (``64 x BLOCK_N`` x 2): 64-token tiles fit 2 stages, 32-token tiles 2..4 (fp8: 2..6) in
+227 KiB a block; one program a multiprocessor.
 """
 
 import triton  # noqa: F401  (Gluon needs Triton's runtime)
@@ -56,12 +60,23 @@ def _acc_layout(n):
 
 
 @triton.constexpr_function
-def _row_layout(n):
-    """Loads of ``[rows, n]`` 16-bit values: 16 bytes a lane, a warp along one row (``n``
-    >= 256) or 4 rows of 64 values (``n`` 64), the 8 warps on rows."""
-    if n >= 256:
-        return gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])
-    return gl.BlockedLayout([1, 8], [32 * 8 // n, n // 8], [8, 1], [1, 0])
+def _row_layout(n, v=8, rows=64):
+    """Loads of ``[rows, n]`` values, ``v`` (16 bytes) a lane: a warp along one row (``n``
+    >= 32 v) or along several rows of ``n`` values, the 8 warps on rows. ``v`` shrinks where
+    the 256 threads would otherwise cover more than the tile (duplicate copies)."""
+    v = min(v, n * rows // 256)
+    if n >= 32 * v:
+        return gl.BlockedLayout([1, v], [1, 32], [8, 1], [1, 0])
+    return gl.BlockedLayout([1, v], [32 * v // n, n // v], [8, 1], [1, 0])
+
+
+@gluon.jit
+def _widen(src, dst, LAYOUT: gl.constexpr, BN: gl.constexpr, ROWS: gl.constexpr):
+    """fp8 cache tile ``src [BN, n]`` in shared memory -> fp16 ``dst`` (the MMA operand),
+    ``ROWS`` rows at a time (few registers: the O accumulator holds 128 a thread)."""
+    for r in gl.static_range(0, BN, ROWS):
+        x = src.slice(r, ROWS, dim=0).load(LAYOUT)
+        dst.slice(r, ROWS, dim=0).store(x.to(gl.float16))
 
 
 @gluon.jit
@@ -90,6 +105,7 @@ def _issue(kn_s, kr_s, stage, KV, stride_kr, rows_n, rows_r, cn, cr, DL: gl.cons
 def mla_gluon_decode_kernel(
     Q,
     KV,
+    KSC,
     PT,
     SEQ,
     OUT,
@@ -112,17 +128,24 @@ def mla_gluon_decode_kernel(
     FINAL: gl.constexpr,
 ):
     """Grid ``(cdiv(H, 64), B, num_splits)``, 8 warps. ``Q [B, H, DL + DR]`` (any float
-    dtype; cast to the cache's), ``KV [R, DL + DR]`` bf16/fp16 rows (stride ``stride_kr``
-    values, 16-byte aligned), ``PT [B, max_pages]`` / ``SEQ [B]`` int32, ``OUT [B, H, DL]``;
-    ``PO`` / ``PL`` as in the module docstring (unused with ``FINAL``)."""
+    dtype; cast to the cache's, fp16 for fp8), ``KV [R, DL + DR]`` bf16/fp16/fp8 rows (stride
+    ``stride_kr`` values, 16-byte aligned), ``KSC`` fp8's per-tensor scale (unused for 16-bit
+    caches), ``PT [B, max_pages]`` / ``SEQ [B]`` int32, ``OUT [B, H, DL]``; ``PO`` / ``PL`` as
+    in the module docstring (unused with ``FINAL``; fp8: without the scale, the merge's)."""
     gl.static_assert(DL == 512 and DR == 64, "the latent is 512 + 64 values (DeepSeek/Kimi)")
     gl.static_assert(STAGES >= 2, "a ring of >= 2 stages")
     gl.static_assert(BLOCK_N == 32 or BLOCK_N == 64, "32- or 64-token tiles")
-    CDT: gl.constexpr = KV.dtype.element_ty
+    # fp8 caches: the ring holds the cache's bytes; each tile is widened to fp16 in shared
+    # memory (one buffer) for the MMAs, the scale folded into the scores and the output
+    FP8: gl.constexpr = KV.dtype.element_ty.is_fp8()
+    CDT: gl.constexpr = gl.float16 if FP8 else KV.dtype.element_ty
     S_L: gl.constexpr = _acc_layout(BLOCK_N)
     O_L: gl.constexpr = _acc_layout(DL)
     LN: gl.constexpr = _row_layout(DL)
     LR: gl.constexpr = _row_layout(DR)
+    V8: gl.constexpr = 16 if FP8 else 8  # cache values a 16-byte copy
+    GN: gl.constexpr = _row_layout(DL, V8, BLOCK_N)  # (the ring's copies)
+    GR: gl.constexpr = _row_layout(DR, V8, BLOCK_N)
     SW_N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], CDT)
     SW_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], CDT)
     SW_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], CDT)
@@ -136,7 +159,10 @@ def mla_gluon_decode_kernel(
     start = split * chunk
     end = gl.minimum(start + chunk, seq)
     pt_row = PT + b.to(gl.int64) * stride_pt
-    qk_scale = sm_scale * LOG2E
+    kf = 1.0
+    if FP8:
+        kf = gl.load(KSC)
+    qk_scale = sm_scale * kf * LOG2E
 
     # Q once into shared memory (A operand of S), heads past H zero
     qh = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LN))
@@ -150,14 +176,23 @@ def mla_gluon_decode_kernel(
     qr = gl.load(qrow_r + qcr[None, :], mask=(qhr < H)[:, None], other=0.0).to(CDT)
     qr_s = gl.allocate_shared_memory(CDT, [BLOCK_H, DR], SW_R, qr)
 
-    kn_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DL], SW_N)
-    kr_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DR], SW_R)
+    if FP8:
+        C8: gl.constexpr = KV.dtype.element_ty
+        G8N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], C8)
+        G8R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], C8)
+        kn_s = gl.allocate_shared_memory(C8, [STAGES, BLOCK_N, DL], G8N)
+        kr_s = gl.allocate_shared_memory(C8, [STAGES, BLOCK_N, DR], G8R)
+        wn_s = gl.allocate_shared_memory(CDT, [BLOCK_N, DL], SW_N)
+        wr_s = gl.allocate_shared_memory(CDT, [BLOCK_N, DR], SW_R)
+    else:
+        kn_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DL], SW_N)
+        kr_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DR], SW_R)
     p_s = gl.allocate_shared_memory(CDT, [BLOCK_H, BLOCK_N], SW_P)
 
-    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LN))
-    cn = gl.arange(0, DL, layout=gl.SliceLayout(0, LN))
-    rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LR))
-    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, LR))
+    rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GN))
+    cn = gl.arange(0, DL, layout=gl.SliceLayout(0, GN))
+    rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
+    cr = gl.arange(0, DR, layout=gl.SliceLayout(0, GR))
     for j in gl.static_range(STAGES - 1):
         sj = start + j * BLOCK_N
         _issue(
@@ -192,6 +227,13 @@ def mla_gluon_decode_kernel(
         gl.thread_barrier()
         kn = kn_s.index(i % STAGES)
         kr = kr_s.index(i % STAGES)
+        if FP8:
+            _widen(kn, wn_s, GN, BLOCK_N, 16)
+            _widen(kr, wr_s, GR, BLOCK_N, BLOCK_N)
+            fence_async_shared()
+            gl.thread_barrier()  # the whole fp16 tile is in shared memory
+            kn = wn_s
+            kr = wr_s
 
         sacc = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False)
         sacc = warpgroup_mma(qr_s, kr.permute((1, 0)), sacc)
@@ -218,6 +260,8 @@ def mla_gluon_decode_kernel(
     l_safe = gl.where(l_o > 0, l_o, 1.0)
     o = acc / l_safe[:, None]
     if FINAL:
+        if FP8:
+            o = o * kf  # (V's factor; the merge applies it to split outputs)
         optr = OUT + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + oc[None, :]
         gl.store(optr, o.to(OUT.dtype.element_ty), mask=hmask[:, None])
     else:

@@ -1,13 +1,14 @@
 """Sweep of the Gluon MLA decode kernel (``kernel="mla_gluon"``, issue 17) beside the Triton
 head-block kernel (``mla_triton``, the default at 128 heads) at DeepSeek-V3 TP 1: the latent
-512 + 64, 128 query heads, B=64 x 8k (``--shape``), pages 16 then 64, bf16 and fp16 caches
-(``--dtypes``; fp8 caches run ``mla_triton`` only, and an ``mla_gluon`` point there records the
-planner's refusal).
+512 + 64, 128 query heads, B=64 x 8k (``--shape``), pages 16 then 64, bf16, fp8_e4m3 and fp16
+caches (``--dtypes``; fp8_e5m2 may be added).
 
-Variants (priority order; each (dtype, page) runs the list until ``--budget-s`` is spent, the
-rest recorded as skipped): the Triton default, the Gluon default (64-token tiles, 2 stages),
-32-token tiles at 2 / 3 / 4 stages, and split counts (1, the default's x2, x4). A variant that
-fails to compile or run is recorded with its error and the sweep goes on. Each call (plan made
+Variants, in priority order until ``--budget-s`` is spent (the rest recorded as skipped):
+first the Triton default and the Gluon default (64-token tiles, 2 stages) and 32-token tiles
+at 3 stages for every dtype, then the others (32-token tiles at 2 / 4 stages, fp8 at 6; split
+counts 1, the default's x2, x4; the Triton kernel at x2 splits), then page 64 for the two
+defaults and the best variant of page 16. A variant that fails to compile or run is recorded
+with its error and the sweep goes on. Each call (plan made
 outside) is captured in a CUDA graph and replayed, the L2 flushed before every repetition, the
 median of ``--reps`` CUDA-event timings kept (``bench_attention.time_ms`` through
 ``bench_models.Bench``); ``first_call_s`` includes the compile.
@@ -43,15 +44,17 @@ from kvpool import attention  # noqa: E402
 from kvpool.pool import LayerView  # noqa: E402
 
 RANK, ROPE, HEADS = 512, 64, 128  # DeepSeek-V3 at TP 1
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp8_e4m3", "fp16")
 CHECK_LENS = (1, 333, 4099, 8192)
 G = "mla_gluon"
-# (label, plan knobs); "splits_x": the default split count times it
+# (label, plan knobs); "splits_x": the default split count times it. The first FIRST run for
+# every dtype before the others.
 VARIANTS = [
     ("triton default", {}),
     ("gluon n64 s2", dict(kernel=G)),
     ("gluon n32 s3", dict(kernel=G, block_n=32, num_stages=3)),
     ("gluon n32 s4", dict(kernel=G, block_n=32, num_stages=4)),
+    ("gluon n32 s6 (fp8)", dict(kernel=G, block_n=32, num_stages=6)),
     ("gluon n32 s2", dict(kernel=G, block_n=32, num_stages=2)),
     ("gluon n64 splits 1", dict(kernel=G, num_splits=1)),
     ("gluon n64 splits x2", dict(kernel=G, splits_x=2)),
@@ -59,6 +62,7 @@ VARIANTS = [
     ("gluon n64 splits x4", dict(kernel=G, splits_x=4)),
     ("triton splits x2", dict(splits_x=2)),
 ]
+FIRST = 3
 LATER_PAGES = ("triton default", "gluon n64 s2")  # (and the best variant of the first page)
 
 
@@ -186,8 +190,10 @@ class Sweep:
 
     def run(self) -> None:
         p0, rest = self.args.pages[0], self.args.pages[1:]
-        for dtype in self.args.dtypes:
-            self.run_list([(dtype, p0, label, k) for label, k in VARIANTS])
+        for tier in (VARIANTS[:FIRST], VARIANTS[FIRST:]):
+            self.run_list([(dtype, p0, label, k) for dtype in self.args.dtypes
+                           for label, k in tier
+                           if "(fp8)" not in label or dtype.startswith("fp8")])  # fmt: skip
         knobs = dict(VARIANTS)
         for page in rest:
             for dtype in self.args.dtypes:

@@ -277,7 +277,7 @@ def plan_mla_decode(
 
     ``kernel``: ``"mla_triton"`` (this module's head-block kernel), ``"mla_small"``
     (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there) or
-    ``"mla_gluon"`` (opt-in, Hopper, 16-bit caches: :mod:`kvpool.attention.mla_gluon`). Default:
+    ``"mla_gluon"`` (opt-in, Hopper, bf16/fp16/fp8: :mod:`kvpool.attention.mla_gluon`). Default:
     ``mla_small`` for at most 32 heads per rank (DeepSeek-V3 and Kimi-K2 at TP 8) unless
     ``KVPOOL_MLA_SMALL=0``; the plan's ``kernel`` names the one that runs.
 

@@ -9,14 +9,17 @@ programs a request, sharing its tiles through L2), where the head-block Triton k
 
 Opt-in only (``plan_mla_decode(..., kernel="mla_gluon")``) until GPU numbers exist; the plan's
 ``kernel`` field shows it. What it takes, else ValueError naming the value (``mla_triton``
-runs everything): 16-bit caches (bf16, fp16), the latent 512 + 64 (DeepSeek, Kimi), any
-power-of-two page size, 16-byte aligned latent rows, ``dots`` f16, an NVIDIA GPU of compute
-capability 9.x (wgmma) with a Triton in ``attention.GLUON_TRITON`` (3.6).
+runs everything): bf16, fp16, fp8_e4m3 and fp8_e5m2 caches (fp8: the ring holds the cache's
+bytes, each tile is widened to fp16 in shared memory for the MMAs; the per-tensor scale goes
+into the scores and the output), the latent 512 + 64 (DeepSeek, Kimi), any power-of-two page
+size, 16-byte aligned latent rows, ``dots`` f16, an NVIDIA GPU of compute capability 9.x
+(wgmma) with a Triton in ``attention.GLUON_TRITON`` (3.6).
 
-Knobs: ``block_n`` 32 or 64 tokens a tile, ``num_stages`` the ring's tiles (2..4; what fits
-227 KiB of shared memory: :data:`STAGES_FIT`), ``num_splits`` (default: the wave model of
-:func:`~kvpool.attention.splits.default_splits` over ``B x ceil(H / 64)`` programs, one a
-multiprocessor). ``block_h`` is 64 and ``num_warps`` 8 (given otherwise: ValueError).
+Knobs: ``block_n`` 32 or 64 tokens a tile, ``num_stages`` the ring's tiles (what fits 227 KiB
+of shared memory: :data:`STAGES_FIT`, :data:`STAGES_FIT_FP8`), ``num_splits`` (default: the
+wave model of :func:`~kvpool.attention.splits.default_splits` over ``B x ceil(H / 64)``
+programs, one a multiprocessor). ``block_h`` is 64 and ``num_warps`` 8 (given otherwise:
+ValueError).
 """
 
 from __future__ import annotations
@@ -35,13 +38,17 @@ if TYPE_CHECKING:
 KERNEL = "mla_gluon"
 #: The latent (kv_lora_rank, qk_rope_head_dim) the kernel is built for (DeepSeek-V2/V3/R1, Kimi).
 LATENT = (512, 64)
-DTYPES = ("bf16", "fp16")
+DTYPES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+FP8 = ("fp8_e4m3", "fp8_e5m2")
 BLOCK_H = 64  # heads a program (the M of one warpgroup MMA)
 NUM_WARPS = 8  # two warpgroups
-#: Ring stages that fit a block's 227 KiB of shared memory, per tile size (Q 72 KiB + stages x
-#: block_n x 1,152 bytes + P; compiled for sm_90 with Triton 3.6: 64 x 2 takes 224.5 KiB,
-#: 32 x 4 220.5 KiB; tests/test_mla_gluon_compile.py).
+#: Ring stages that fit a block's 227 KiB of shared memory, per tile size, 16-bit caches (Q
+#: 72 KiB + stages x block_n x 1,152 bytes + P; compiled for sm_90 with Triton 3.6: 64 x 2
+#: takes 224.5 KiB, 32 x 4 220.5 KiB; tests/test_mla_gluon_compile.py).
 STAGES_FIT = {32: (2, 3, 4), 64: (2,)}
+#: The same for fp8 caches: the ring holds 576 bytes a token, plus one fp16 tile (the MMA
+#: operand, widened from the ring): 64 x 2 224.5 KiB, 32 x 6 220.5 KiB.
+STAGES_FIT_FP8 = {32: (2, 3, 4, 5, 6), 64: (2,)}
 #: Default (block_n, num_stages): 64-token tiles (the Triton kernel's measured best at 128
 #: heads), the only ring that fits them. Not measured yet (benches/attention/sweep_mla_gluon.py).
 DEFAULT_TILE = (64, 2)
@@ -67,6 +74,8 @@ def gluon_unfit(view: LayerView, rank: int) -> str | None:
     """Why ``view`` (an MLA layer of ``kv_lora_rank`` ``rank``) is not for this kernel, or None."""
     if view.dtype not in DTYPES:
         return f"a {view.dtype} cache (mla_gluon takes {', '.join(DTYPES)})"
+    if view.dtype in FP8 and view.k_scale is None:
+        return f"a {view.dtype} cache without k_scale"
     latent = (rank, view.head_dim - rank)
     if latent != LATENT:
         return (
@@ -80,6 +89,11 @@ def gluon_unfit(view: LayerView, rank: int) -> str | None:
             f"{t.data_ptr():#x}): cp.async copies 16 bytes"
         )
     return _device_unfit(t.device)
+
+
+def stages_fit(dtype: str) -> dict:
+    """``{block_n: ring stages that fit shared memory}`` for a ``dtype`` cache."""
+    return STAGES_FIT_FP8 if dtype in FP8 else STAGES_FIT
 
 
 def plan_gluon(
@@ -108,7 +122,7 @@ def plan_gluon(
     if dots not in (None, "f16"):
         raise ValueError(f"`dots` = {dots!r}: kernel='mla_gluon' runs 16-bit dots only ('f16')")
     if asm:
-        raise ValueError("`asm` = True: kernel='mla_gluon' takes 16-bit caches (nothing decoded)")
+        raise ValueError("`asm` = True: kernel='mla_gluon' has no word decode (give None/False)")
     for name, v, fixed in (("block_h", block_h, BLOCK_H), ("num_warps", num_warps, NUM_WARPS)):
         if v is not None and v != fixed:
             raise ValueError(f"`{name}` = {v!r}: kernel='mla_gluon' runs {fixed} only")
@@ -118,7 +132,7 @@ def plan_gluon(
     bn = DEFAULT_TILE[0] if block_n is None else block_n
     if bn not in STAGES_FIT:
         raise ValueError(f"`block_n` = {bn!r}: kernel='mla_gluon' takes 32 or 64")
-    fit = STAGES_FIT[bn]
+    fit = stages_fit(view.dtype)[bn]
     ns = DEFAULT_STAGES[bn] if num_stages is None else num_stages
     if ns not in fit:
         raise ValueError(
@@ -153,14 +167,16 @@ def launch_gluon(
 ) -> torch.Tensor:
     """Run ``mla_gluon_decode_kernel`` (and the split merge) for a checked ``mla_decode`` call.
 
-    ``q [B, H, 576]`` fp32/bf16/fp16 (cast to the cache's dtype in the kernel), ``out [B, H,
+    ``q [B, H, 576]`` fp32/bf16/fp16 (cast to the cache's dtype in the kernel, fp16 for fp8
+    caches), ``out [B, H,
     512]`` in q's dtype, ``plan`` made by ``plan_mla_decode(kernel="mla_gluon")`` for this batch
     (``mla_decode`` has checked shapes and the split workspace). Returns ``out``.
     """
     why = gluon_unfit(view, plan.kv_lora_rank)
     if why is not None:  # (a plan made for another view)
         raise ValueError(f"`plan` names kernel 'mla_gluon', which cannot run on {why}")
-    if plan.block_n not in STAGES_FIT or plan.num_stages not in STAGES_FIT[plan.block_n]:
+    fit = stages_fit(view.dtype)
+    if plan.block_n not in fit or plan.num_stages not in fit[plan.block_n]:
         raise ValueError(
             f"`plan` has block_n {plan.block_n}, num_stages {plan.num_stages}: not an "
             "mla_gluon tile (make it with plan_mla_decode)"
@@ -169,8 +185,10 @@ def launch_gluon(
 
     bsz, h, _ = q.shape
     s = plan.num_splits
+    fp8 = view.dtype in FP8
+    ksc = view.k_scale if fp8 else out  # (16-bit caches: unused)
     mla_gluon_decode_kernel[(_cdiv(h, BLOCK_H), bsz, s)](
-        q, view.k, page_table, seq_lens, out,
+        q, view.k, ksc, page_table, seq_lens, out,
         plan.part_out if s > 1 else out, plan.part_lse if s > 1 else out,
         q.stride(0), q.stride(1), view.k.stride(0), page_table.stride(0),
         out.stride(0), out.stride(1), sm_scale, view.page_size.bit_length() - 1, s, h,
@@ -180,8 +198,18 @@ def launch_gluon(
     if s > 1:
         from kvpool.attention.launch_decode import _merge
 
-        _merge(plan, out, None, out, False, 1.0)  # (16-bit caches: no V factor)
+        # (fp8: the latent's scale is V's factor too; 16-bit caches have none)
+        _merge(plan, out, None, ksc, fp8, 1.0)
     return out
 
 
-__all__ = ["DEFAULT_TILE", "KERNEL", "STAGES_FIT", "gluon_unfit", "launch_gluon", "plan_gluon"]
+__all__ = [
+    "DEFAULT_TILE",
+    "KERNEL",
+    "STAGES_FIT",
+    "STAGES_FIT_FP8",
+    "gluon_unfit",
+    "launch_gluon",
+    "plan_gluon",
+    "stages_fit",
+]
