@@ -18,6 +18,11 @@ LENS = [1, 63, 64, 65, 333, 1000, 4099]  # (tile edges, a long one)
 
 
 def _plan(c, heads, **knobs):
+    """``plan_mla_decode(kernel="mla_gluon")``, or with ``pipeline`` ``plan_mla_gluon_decode``."""
+    if "pipeline" in knobs:
+        return mla_gluon.plan_mla_gluon_decode(
+            c.view, heads, c.page_table, c.seq_lens, kv_lora_rank=c.rank, **knobs
+        )
     return attention.plan_mla_decode(
         c.view, heads, c.page_table, c.seq_lens, kv_lora_rank=c.rank, kernel="mla_gluon", **knobs
     )
@@ -88,6 +93,19 @@ def test_knobs_and_workspace(monkeypatch):
     p = _plan(c8, 128, block_n=32, num_stages=6, num_splits=2)
     assert (p.kernel, p.block_n, p.num_stages, p.num_splits) == ("mla_gluon", 32, 6, 2)
     assert _plan(c8, 128).num_stages == 2
+    # the pipelined loop: fp8 holds two widened tiles (32-token tiles, <= 4 stages)
+    p = _plan(c8, 128, pipeline=True)
+    assert isinstance(p, mla_gluon.MLAGluonDecodePlan) and p.pipeline
+    assert (p.block_n, p.num_stages) == (32, 3)
+    with pytest.raises(ValueError, match="`num_stages` = 5 with block_n 32"):
+        _plan(c8, 128, pipeline=True, num_stages=5)
+    with pytest.raises(ValueError, match="`block_n` = 64"):
+        _plan(c8, 128, pipeline=True, block_n=64)
+    p = _plan(c, 128, pipeline=True, num_splits=3)
+    assert (p.pipeline, p.block_n, p.num_stages, p.num_splits) == (True, 64, 2, 3)
+    assert _plan(c, 128).pipeline is False
+    with pytest.raises(ValueError, match="`pipeline` = 1"):
+        _plan(c, 128, pipeline=1)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -111,8 +129,16 @@ def test_gluon_decode_gpu_deepseek(dtype, page):
         {"block_n": 32, "num_stages": 3, "num_splits": 4},
         {"block_n": 32, "num_stages": 4, "num_splits": 1},
     )
+    # the pipelined loop (tile i's scores under tile i - 1's P V)
+    variants += (
+        {"pipeline": True, "block_n": 32, "num_stages": 3, "num_splits": 1},
+        {"pipeline": True, "block_n": 32, "num_stages": 4, "num_splits": 7},
+        {"pipeline": True, "block_n": 32, "num_stages": 2, "num_splits": 1},
+    )
     if dtype.startswith("fp8"):
         variants += ({"block_n": 32, "num_stages": 6, "num_splits": 2},)
+    else:
+        variants += ({"pipeline": True, "block_n": 64, "num_stages": 2, "num_splits": 3},)
     for kw in variants:
         out, ref, plan = _run(c, 128, **kw)
         assert plan.kernel == "mla_gluon"
@@ -126,8 +152,9 @@ def test_gluon_decode_gpu_head_counts(heads):
     second block (80), with fp32 and fp16 queries (cast to the cache's dtype in the kernel)."""
     c = Latent("bf16", [5, 700, 2048], rank=512, rope=64, page=16, device="cuda", seed=3)
     for q_dtype, splits in ((torch.bfloat16, 1), (torch.float32, 2), (torch.float16, 3)):
-        out, ref, _ = _run(c, heads, q_dtype, num_splits=splits)
-        assert rel_err(out, ref) < TOL["bf16"], (q_dtype, splits)
+        for pipe in (False, True):
+            out, ref, _ = _run(c, heads, q_dtype, num_splits=splits, pipeline=pipe)
+            assert rel_err(out, ref) < TOL["bf16"], (q_dtype, splits, pipe)
 
 
 @gpu

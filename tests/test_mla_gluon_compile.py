@@ -32,16 +32,18 @@ pytestmark = pytest.mark.skipif(
 SMEM_MAX = 227 * 1024  # bytes of shared memory a block may take (H100 / H200)
 TILES = [("bf16", bn, st) for bn, fit in mla_gluon.STAGES_FIT.items() for st in fit]
 TILES += [("fp8e4nv", bn, st) for bn, fit in mla_gluon.STAGES_FIT_FP8.items() for st in fit]
+PIPE_TILES = [("bf16", bn, st) for bn, fit in mla_gluon.STAGES_FIT.items() for st in fit]
+PIPE_TILES += [("fp8e4nv", 32, st) for st in mla_gluon.STAGES_FIT_FP8_PIPE[32]]
 
 
-def compile_sm90(block_n: int, stages: int, final: bool, dtype: str = "bf16"):
+def compile_sm90(block_n: int, stages: int, final: bool, dtype: str = "bf16", pipe=False):
     """``triton.compile`` of ``mla_gluon_decode_kernel`` for sm_90 with the launcher's
     constants (pointers and row strides 16-divisible, as a pool's buffers are)."""
     from kvpool.triton_kernels.mla_gluon import mla_gluon_decode_kernel as fn
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    consts = dict(DL=512, DR=64, BLOCK_N=block_n, STAGES=stages, FINAL=final)
+    consts = dict(DL=512, DR=64, BLOCK_N=block_n, STAGES=stages, FINAL=final, PIPE=pipe)
     ptrs = dict(Q="*bf16", KV="*" + dtype, KSC="*fp32", PT="*i32", SEQ="*i32", OUT="*bf16",
                 PO="*fp32", PL="*fp32")  # fmt: skip
     sig, attrs = {}, {}
@@ -94,6 +96,24 @@ def test_tiles_compile_without_spills(dtype, block_n, stages, final):
     assert "cp.async.cg.shared.global" in ptx
     if dtype == "fp8e4nv":  # every cache byte of the tile widened once: 144 a thread
         assert ptx.count("cvt.rn.f16x2.e4m3x2") == block_n * 576 // 256 // 2
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["final", "splits"])
+@pytest.mark.parametrize("dtype, block_n, stages", PIPE_TILES, ids=lambda x: str(x))
+def test_pipelined_tiles_compile_without_spills(dtype, block_n, stages, final):
+    """``PIPE``: the scores' two MMAs and tile i - 1's P V asynchronous, waited down to one
+    group (the scores) and then none; fp8 holds two widened tiles."""
+    k = compile_sm90(block_n, stages, final, dtype, pipe=True)
+    r = resources(k)
+    assert r["REG"] <= 255 and r["STACK"] == 0 and r["LOCAL"] == 0, r
+    assert k.metadata.shared <= SMEM_MAX, k.metadata.shared
+    fp8 = dtype.startswith("fp8")
+    ring = stages * block_n * 576 * (1 if fp8 else 2) + (2 * block_n * 576 * 2 if fp8 else 0)
+    model = 64 * 576 * 2 + ring + 64 * block_n * 2
+    assert model <= k.metadata.shared <= model + 2048, (k.metadata.shared, model)
+    ptx = k.asm["ptx"]
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 1
+    assert "isAsync = true" in k.asm["ttgir"]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp8e5"])

@@ -45,7 +45,11 @@ import triton  # noqa: F401  (Gluon needs Triton's runtime)
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_H = gl.constexpr(64)  # heads a program: the M of one warpgroup MMA
@@ -101,6 +105,93 @@ def _issue(kn_s, kr_s, stage, KV, stride_kr, rows_n, rows_r, cn, cr, DL: gl.cons
     async_copy.commit_group()
 
 
+@gluon.jit
+def _softmax(sacc, s, cols, end, qk_scale, m_i, l_i):
+    """Online-softmax step over the raw scores ``sacc [64, BN]`` of the tile at token ``s``
+    (columns ``s + cols`` at or past ``end`` masked), log2 units: ``(p, m_new, l_new, alpha)``.
+    A tile without tokens (an empty split's peeled first tile) gives p = 0, alpha = 0."""
+    sacc = gl.where(((s + cols) < end)[None, :], sacc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sacc, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(sacc - m_safe[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _operands(kn_s, kr_s, wn_s, wr_s, st, wb, FP8: gl.constexpr, GN: gl.constexpr,
+              GR: gl.constexpr, BN: gl.constexpr):  # fmt: skip
+    """The MMA operands of the landed tile in ring stage ``st``: the stage itself (16-bit
+    caches), or (fp8) the tile widened into fp16 buffer ``wb`` (fenced, all threads synced)."""
+    kn = kn_s.index(st)
+    kr = kr_s.index(st)
+    if FP8:
+        wn = wn_s.index(wb)
+        wr = wr_s.index(wb)
+        _widen(kn, wn, GN, BN, 16)
+        _widen(kr, wr, GR, BN, BN)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole fp16 tile is in shared memory
+        kn = wn
+        kr = wr
+    return kn, kr
+
+
+@gluon.jit
+def _pipelined(qn_s, qr_s, kn_s, kr_s, wn_s, wr_s, p_s, KV, stride_kr, start, end, pt_row,
+               page_shift, page_mask, rn, rr, cn, cr, nrn, nrr, m_i, l_i, acc, s_zero, cols,
+               qk_scale, DL: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+               FP8: gl.constexpr, GN: gl.constexpr, GR: gl.constexpr,
+               O_L: gl.constexpr):  # fmt: skip
+    """``PIPE``: tile i's scores and softmax run while tile i - 1's ``P V`` is on the tensor
+    cores (asynchronous warpgroup MMAs). Tile 0 is peeled (its ``P V`` runs in iteration 1,
+    the last tile's after the loop); every stage is filled up front and tile i - 1's stage is
+    refilled (with tile i - 1 + STAGES) once its ``P V`` is done. Returns ``(m, l, acc)``."""
+    async_copy.wait_group(STAGES - 1)
+    fence_async_shared()
+    gl.thread_barrier()
+    kn, kr = _operands(kn_s, kr_s, wn_s, wr_s, 0, 0, FP8, GN, GR, BN)
+    sacc = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False)
+    sacc = warpgroup_mma(qr_s, kr.permute((1, 0)), sacc)
+    p, m_i, l_i, alpha = _softmax(sacc, start, cols, end, qk_scale, m_i, l_i)
+    p_s.store(p.to(p_s.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # P of tile 0 in shared memory
+    i = 1
+    for s in range(start + BN, end, BN):
+        async_copy.wait_group(STAGES - 2)  # tile i has landed
+        fence_async_shared()
+        gl.thread_barrier()
+        kn, kr = _operands(kn_s, kr_s, wn_s, wr_s, i % STAGES, i % 2, FP8, GN, GR, BN)
+        if FP8:
+            v = wn_s.index((i - 1) % 2)
+        else:
+            v = kn_s.index((i - 1) % STAGES)
+        ts = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        ts = warpgroup_mma(qr_s, kr.permute((1, 0)), ts, is_async=True)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        to = warpgroup_mma(p_s, v, acc, is_async=True)  # tile i - 1's P V
+        sacc = warpgroup_mma_wait(1, deps=[ts])  # (the scores' groups were committed first)
+        p, m_i, l_i, alpha = _softmax(sacc, s, cols, end, qk_scale, m_i, l_i)
+        acc = warpgroup_mma_wait(0, deps=[to])
+        gl.thread_barrier()  # both warpgroups are done with P and tile i - 1
+        p_s.store(p.to(p_s.dtype))
+        _issue(kn_s, kr_s, (i - 1) % STAGES, KV, stride_kr, nrn, nrr, cn, cr, DL)
+        sn = s + STAGES * BN  # (tile i + STAGES; past the end: the last token again, unused)
+        nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
+        nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
+        fence_async_shared()
+        gl.thread_barrier()  # P of tile i in shared memory
+        i += 1
+    if FP8:
+        v = wn_s.index((i - 1) % 2)
+    else:
+        v = kn_s.index((i - 1) % STAGES)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+    acc = warpgroup_mma(p_s, v, acc)
+    return m_i, l_i, acc
+
+
 @gluon.jit(do_not_specialize=["stride_pt", "num_splits"])  # (they change between steps)
 def mla_gluon_decode_kernel(
     Q,
@@ -126,6 +217,7 @@ def mla_gluon_decode_kernel(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     FINAL: gl.constexpr,
+    PIPE: gl.constexpr = False,
 ):
     """Grid ``(cdiv(H, 64), B, num_splits)``, 8 warps. ``Q [B, H, DL + DR]`` (any float
     dtype; cast to the cache's, fp16 for fp8), ``KV [R, DL + DR]`` bf16/fp16/fp8 rows (stride
@@ -182,18 +274,24 @@ def mla_gluon_decode_kernel(
         G8R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], C8)
         kn_s = gl.allocate_shared_memory(C8, [STAGES, BLOCK_N, DL], G8N)
         kr_s = gl.allocate_shared_memory(C8, [STAGES, BLOCK_N, DR], G8R)
-        wn_s = gl.allocate_shared_memory(CDT, [BLOCK_N, DL], SW_N)
-        wr_s = gl.allocate_shared_memory(CDT, [BLOCK_N, DR], SW_R)
+        # (PIPE: tile i - 1's widened copy is V while tile i is widened)
+        WB: gl.constexpr = 2 if PIPE else 1
+        wn_s = gl.allocate_shared_memory(CDT, [WB, BLOCK_N, DL], SW_N)
+        wr_s = gl.allocate_shared_memory(CDT, [WB, BLOCK_N, DR], SW_R)
     else:
         kn_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DL], SW_N)
         kr_s = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, DR], SW_R)
+        wn_s = kn_s  # (unused)
+        wr_s = kr_s
     p_s = gl.allocate_shared_memory(CDT, [BLOCK_H, BLOCK_N], SW_P)
 
     rn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GN))
     cn = gl.arange(0, DL, layout=gl.SliceLayout(0, GN))
     rr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GR))
     cr = gl.arange(0, DR, layout=gl.SliceLayout(0, GR))
-    for j in gl.static_range(STAGES - 1):
+    # PIPE: every stage filled up front (tile i - 1's stage stays V while tile i is scored)
+    PRE: gl.constexpr = STAGES if PIPE else STAGES - 1
+    for j in gl.static_range(PRE):
         sj = start + j * BLOCK_N
         _issue(
             kn_s, kr_s, j, KV, stride_kr,
@@ -201,7 +299,7 @@ def mla_gluon_decode_kernel(
             _rows(sj, end, pt_row, page_shift, page_mask, rr),
             cn, cr, DL,
         )  # fmt: skip
-    sn = start + (STAGES - 1) * BLOCK_N
+    sn = start + PRE * BLOCK_N
     nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
     nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
 
@@ -210,46 +308,39 @@ def mla_gluon_decode_kernel(
     acc = gl.zeros([BLOCK_H, DL], gl.float32, layout=O_L)
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=S_L)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-    fence_async_shared()  # (Q's stores before the MMAs' reads; the loop's barrier follows)
-    i = 0
-    for s in range(start, end, BLOCK_N):
-        # every warp is done with tile i - 1 (its stage is refilled now, and P rewritten
-        # below): the MMAs are synchronous
-        gl.thread_barrier()
-        _issue(kn_s, kr_s, (i + STAGES - 1) % STAGES, KV, stride_kr, nrn, nrr, cn, cr, DL)
-        sn = s + STAGES * BLOCK_N  # (past the end: the last token again, unused)
-        nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
-        nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
-        async_copy.wait_group(STAGES - 1)
-        # each thread's cp.async writes (generic proxy) ordered before the MMAs' async-proxy
-        # reads, then every thread's rows visible: fence by the writer, then the barrier
-        fence_async_shared()
-        gl.thread_barrier()
-        kn = kn_s.index(i % STAGES)
-        kr = kr_s.index(i % STAGES)
-        if FP8:
-            _widen(kn, wn_s, GN, BLOCK_N, 16)
-            _widen(kr, wr_s, GR, BLOCK_N, BLOCK_N)
+    fence_async_shared()  # (Q's stores before the MMAs' reads; a barrier follows)
+    if PIPE:
+        m_i, l_i, acc = _pipelined(
+            qn_s, qr_s, kn_s, kr_s, wn_s, wr_s, p_s, KV, stride_kr, start, end, pt_row,
+            page_shift, page_mask, rn, rr, cn, cr, nrn, nrr, m_i, l_i, acc, s_zero, cols,
+            qk_scale, DL, BLOCK_N, STAGES, FP8, GN, GR, O_L,
+        )  # fmt: skip
+    else:
+        i = 0
+        for s in range(start, end, BLOCK_N):
+            # every warp is done with tile i - 1 (its stage is refilled now, and P rewritten
+            # below): the MMAs are synchronous
+            gl.thread_barrier()
+            _issue(kn_s, kr_s, (i + STAGES - 1) % STAGES, KV, stride_kr, nrn, nrr, cn, cr, DL)
+            sn = s + STAGES * BLOCK_N  # (past the end: the last token again, unused)
+            nrn = _rows(sn, end, pt_row, page_shift, page_mask, rn)
+            nrr = _rows(sn, end, pt_row, page_shift, page_mask, rr)
+            async_copy.wait_group(STAGES - 1)
+            # each thread's cp.async writes (generic proxy) ordered before the MMAs' async-proxy
+            # reads, then every thread's rows visible: fence by the writer, then the barrier
             fence_async_shared()
-            gl.thread_barrier()  # the whole fp16 tile is in shared memory
-            kn = wn_s
-            kr = wr_s
+            gl.thread_barrier()
+            kn, kr = _operands(kn_s, kr_s, wn_s, wr_s, i % STAGES, 0, FP8, GN, GR, BLOCK_N)
+            sacc = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False)
+            sacc = warpgroup_mma(qr_s, kr.permute((1, 0)), sacc)
+            p, m_i, l_i, alpha = _softmax(sacc, s, cols, end, qk_scale, m_i, l_i)
 
-        sacc = warpgroup_mma(qn_s, kn.permute((1, 0)), s_zero, use_acc=False)
-        sacc = warpgroup_mma(qr_s, kr.permute((1, 0)), sacc)
-        sacc = gl.where(((s + cols) < end)[None, :], sacc * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sacc, axis=1))  # (finite: the tile has a token)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(sacc - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-
-        p_s.store(p.to(CDT))
-        fence_async_shared()
-        gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(p_s, kn, acc)
-        i += 1
+            p_s.store(p.to(CDT))
+            fence_async_shared()
+            gl.thread_barrier()  # both warpgroups' halves of P are in shared memory
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            acc = warpgroup_mma(p_s, kn, acc)
+            i += 1
     async_copy.wait_group(0)  # (no copy outlives the program)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))

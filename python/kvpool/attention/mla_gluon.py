@@ -19,20 +19,23 @@ Knobs: ``block_n`` 32 or 64 tokens a tile, ``num_stages`` the ring's tiles (what
 of shared memory: :data:`STAGES_FIT`, :data:`STAGES_FIT_FP8`), ``num_splits`` (default: the
 wave model of :func:`~kvpool.attention.splits.default_splits` over ``B x ceil(H / 64)``
 programs, one a multiprocessor). ``block_h`` is 64 and ``num_warps`` 8 (given otherwise:
-ValueError).
+ValueError). ``pipeline`` (:func:`plan_mla_gluon_decode` only; default off): the
+software-pipelined loop, tile i's scores and softmax under tile i - 1's ``P V``
+(:data:`STAGES_FIT_FP8_PIPE` for fp8).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool._torch import torch
 from kvpool.attention._common import _cdiv
-from kvpool.attention.checks import _check_knob
+from kvpool.attention.checks import _check, _check_knob
+from kvpool.attention.mla import MLADecodePlan, _check_mla_view, _rank
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 
 if TYPE_CHECKING:
-    from kvpool.attention.mla import MLADecodePlan
     from kvpool.pool import LayerView
 
 KERNEL = "mla_gluon"
@@ -49,6 +52,10 @@ STAGES_FIT = {32: (2, 3, 4), 64: (2,)}
 #: The same for fp8 caches: the ring holds 576 bytes a token, plus one fp16 tile (the MMA
 #: operand, widened from the ring): 64 x 2 224.5 KiB, 32 x 6 220.5 KiB.
 STAGES_FIT_FP8 = {32: (2, 3, 4, 5, 6), 64: (2,)}
+#: ``pipeline`` (tile i's scores under tile i - 1's P V): fp8 holds two widened tiles, so
+#: 64-token tiles do not fit and 32-token tiles take up to 4 stages (220.5 KiB); 16-bit caches
+#: as :data:`STAGES_FIT`.
+STAGES_FIT_FP8_PIPE = {32: (2, 3, 4)}
 #: Default (block_n, num_stages): 64-token tiles (the Triton kernel's measured best at 128
 #: heads), the only ring that fits them. Not measured yet (benches/attention/sweep_mla_gluon.py).
 DEFAULT_TILE = (64, 2)
@@ -91,9 +98,23 @@ def gluon_unfit(view: LayerView, rank: int) -> str | None:
     return _device_unfit(t.device)
 
 
-def stages_fit(dtype: str) -> dict:
+@dataclass
+class MLAGluonDecodePlan(MLADecodePlan):
+    """An :class:`~kvpool.attention.mla.MLADecodePlan` for the ``mla_gluon`` kernel.
+
+    ``pipeline``: the software-pipelined loop (tile i's scores and softmax while tile i - 1's
+    ``P V`` runs on the tensor cores, asynchronous warpgroup MMAs); else each tile's MMAs run
+    in turn. The other fields as in the parent; ``kernel`` is ``"mla_gluon"``.
+    """
+
+    pipeline: bool = False
+
+
+def stages_fit(dtype: str, pipeline: bool = False) -> dict:
     """``{block_n: ring stages that fit shared memory}`` for a ``dtype`` cache."""
-    return STAGES_FIT_FP8 if dtype in FP8 else STAGES_FIT
+    if dtype in FP8:
+        return STAGES_FIT_FP8_PIPE if pipeline else STAGES_FIT_FP8
+    return STAGES_FIT
 
 
 def plan_gluon(
@@ -111,14 +132,16 @@ def plan_gluon(
     num_stages=None,
     asm=None,
     dots=None,
-) -> MLADecodePlan:
+    pipeline=None,
+) -> MLAGluonDecodePlan:
     """The ``mla_gluon`` plan, once ``plan_mla_decode`` has checked the view and batch tensors.
 
     ``ctx``: the longest request in tokens. Raises ValueError for what the kernel does not
     take (module docstring), naming it.
     """
-    from kvpool.attention.mla import MLADecodePlan
-
+    if pipeline is not None and not isinstance(pipeline, bool):
+        raise ValueError(f"`pipeline` = {pipeline!r}: must be a bool")
+    pipe = bool(pipeline)
     if dots not in (None, "f16"):
         raise ValueError(f"`dots` = {dots!r}: kernel='mla_gluon' runs 16-bit dots only ('f16')")
     if asm:
@@ -129,15 +152,20 @@ def plan_gluon(
     why = gluon_unfit(view, rank)
     if why is not None:
         raise ValueError(f"kernel='mla_gluon' cannot run on {why}; use kernel='mla_triton'")
-    bn = DEFAULT_TILE[0] if block_n is None else block_n
-    if bn not in STAGES_FIT:
-        raise ValueError(f"`block_n` = {bn!r}: kernel='mla_gluon' takes 32 or 64")
-    fit = stages_fit(view.dtype)[bn]
-    ns = DEFAULT_STAGES[bn] if num_stages is None else num_stages
+    fits = stages_fit(view.dtype, pipe)
+    bn = (DEFAULT_TILE[0] if DEFAULT_TILE[0] in fits else 32) if block_n is None else block_n
+    if bn not in fits:
+        raise ValueError(
+            f"`block_n` = {bn!r}: kernel='mla_gluon' takes {' or '.join(map(str, fits))} here "
+            f"({view.dtype}{', pipeline' if pipe else ''})"
+        )
+    fit = fits[bn]
+    ns = min(DEFAULT_STAGES[bn], fit[-1]) if num_stages is None else num_stages
     if ns not in fit:
         raise ValueError(
             f"`num_stages` = {ns!r} with block_n {bn}: kernel='mla_gluon' fits "
             f"{', '.join(map(str, fit))} stages in shared memory there"
+            f"{' (pipeline)' if pipe else ''}"
         )
     dev = view.k.device
     b = page_table.shape[0]
@@ -150,9 +178,41 @@ def plan_gluon(
     if s > 1:
         part_out = torch.empty(b, h, s, rank, dtype=torch.float32, device=dev)
         part_lse = torch.empty(b, h, s, dtype=torch.float32, device=dev)
-    return MLADecodePlan(
+    return MLAGluonDecodePlan(
         page_table, seq_lens, h, rank, s, BLOCK_H, bn, NUM_WARPS, ns, False, part_out,
-        part_lse, kernel=KERNEL,
+        part_lse, kernel=KERNEL, pipeline=pipe,
+    )  # fmt: skip
+
+
+def plan_mla_gluon_decode(
+    view: LayerView,
+    num_q_heads: int,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_stages: int | None = None,
+    pipeline: bool | None = None,
+) -> MLAGluonDecodePlan:
+    """Plan :func:`~kvpool.attention.mla.mla_decode` on ``mla_gluon``, with its ``pipeline``.
+
+    ``plan_mla_decode(kernel="mla_gluon")`` is this without ``pipeline`` (default False). For
+    benchmarks and tuning. Knobs and errors as :func:`plan_gluon` and ``plan_mla_decode``.
+    """
+    rank = _rank(view, kv_lora_rank)
+    _check_mla_view(view, rank, kernels=True)
+    h = _check_knob("num_q_heads", num_q_heads, 1)
+    dev = view.k.device
+    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
+    _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
+    cap = page_table.shape[1] * view.page_size
+    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    return plan_gluon(
+        view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_n=block_n,
+        num_stages=num_stages, pipeline=pipeline,
     )  # fmt: skip
 
 
@@ -168,14 +228,15 @@ def launch_gluon(
     """Run ``mla_gluon_decode_kernel`` (and the split merge) for a checked ``mla_decode`` call.
 
     ``q [B, H, 576]`` fp32/bf16/fp16 (cast to the cache's dtype in the kernel, fp16 for fp8
-    caches), ``out [B, H,
-    512]`` in q's dtype, ``plan`` made by ``plan_mla_decode(kernel="mla_gluon")`` for this batch
+    caches), ``out [B, H, 512]`` in q's dtype, ``plan`` made by
+    ``plan_mla_decode(kernel="mla_gluon")`` or :func:`plan_mla_gluon_decode` for this batch
     (``mla_decode`` has checked shapes and the split workspace). Returns ``out``.
     """
     why = gluon_unfit(view, plan.kv_lora_rank)
     if why is not None:  # (a plan made for another view)
         raise ValueError(f"`plan` names kernel 'mla_gluon', which cannot run on {why}")
-    fit = stages_fit(view.dtype)
+    pipe = getattr(plan, "pipeline", False)
+    fit = stages_fit(view.dtype, pipe)
     if plan.block_n not in fit or plan.num_stages not in fit[plan.block_n]:
         raise ValueError(
             f"`plan` has block_n {plan.block_n}, num_stages {plan.num_stages}: not an "
@@ -193,7 +254,7 @@ def launch_gluon(
         q.stride(0), q.stride(1), view.k.stride(0), page_table.stride(0),
         out.stride(0), out.stride(1), sm_scale, view.page_size.bit_length() - 1, s, h,
         DL=LATENT[0], DR=LATENT[1], BLOCK_N=plan.block_n, STAGES=plan.num_stages,
-        FINAL=s == 1, num_warps=NUM_WARPS,
+        FINAL=s == 1, PIPE=pipe, num_warps=NUM_WARPS,
     )  # fmt: skip
     if s > 1:
         from kvpool.attention.launch_decode import _merge
@@ -208,8 +269,11 @@ __all__ = [
     "KERNEL",
     "STAGES_FIT",
     "STAGES_FIT_FP8",
+    "STAGES_FIT_FP8_PIPE",
+    "MLAGluonDecodePlan",
     "gluon_unfit",
     "launch_gluon",
     "plan_gluon",
+    "plan_mla_gluon_decode",
     "stages_fit",
 ]
