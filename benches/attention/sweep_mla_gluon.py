@@ -4,14 +4,15 @@ head-block kernel (``mla_triton``, the default at 128 heads) at DeepSeek-V3 TP 1
 caches (``--dtypes``; fp8_e5m2 may be added).
 
 Variants, in priority order until ``--budget-s`` is spent (the rest recorded as skipped):
-first the Triton default and the Gluon default (64-token tiles, 2 stages) and 32-token tiles
-at 3 stages for every dtype, then the others (32-token tiles at 2 / 4 stages, fp8 at 6; split
-counts 1, the default's x2, x4; the Triton kernel at x2 splits), then page 64 for the two
-defaults and the best variant of page 16. A variant that fails to compile or run is recorded
-with its error and the sweep goes on. Each call (plan made
-outside) is captured in a CUDA graph and replayed, the L2 flushed before every repetition, the
-median of ``--reps`` CUDA-event timings kept (``bench_attention.time_ms`` through
-``bench_models.Bench``); ``first_call_s`` includes the compile.
+first the Triton default, then the Gluon default (64-token tiles, 2 stages), then the pipelined
+Gluon loop (``pipeline``: tile i's scores under tile i - 1's P V; 32-token tiles, 3 stages),
+each on pages 16 and 64 for every dtype; then the others on page 16 (32-token tiles at 2 / 3 /
+4 stages, pipelined or not; fp8 at 6; split counts 1, the default's x2, x4; the Triton kernel
+at x2 splits); then each dtype's best of page 16 on page 64. A variant that fails to compile or run
+is recorded with its error and the sweep goes on. Each call (plan made outside) is captured in
+a CUDA graph and replayed, the L2 flushed before every repetition, the median of ``--reps``
+CUDA-event timings kept (``bench_attention.time_ms`` through ``bench_models.Bench``);
+``first_call_s`` includes the compile.
 
 Correctness per variant: the same knobs (split count included) on a small batch of the same
 cache (4 requests of 1, 333, 4099 and 8192 tokens) against the torch reference
@@ -41,18 +42,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models as bm  # noqa: E402  (the harness: Bench, random caches, page tables)
 from kvpool import attention  # noqa: E402
+from kvpool.attention import mla_gluon  # noqa: E402
 from kvpool.pool import LayerView  # noqa: E402
 
 RANK, ROPE, HEADS = 512, 64, 128  # DeepSeek-V3 at TP 1
 DTYPES = ("bf16", "fp8_e4m3", "fp16")
 CHECK_LENS = (1, 333, 4099, 8192)
 G = "mla_gluon"
-# (label, plan knobs); "splits_x": the default split count times it. The first FIRST run for
-# every dtype before the others.
+# (label, plan knobs); "splits_x": the default split count times it; "(fp8)" / "(16-bit)":
+# those caches only
 VARIANTS = [
     ("triton default", {}),
     ("gluon n64 s2", dict(kernel=G)),
+    ("gluon pipe n32 s3", dict(kernel=G, pipeline=True, block_n=32, num_stages=3)),
     ("gluon n32 s3", dict(kernel=G, block_n=32, num_stages=3)),
+    ("gluon pipe n32 s4", dict(kernel=G, pipeline=True, block_n=32, num_stages=4)),
+    ("gluon pipe n64 s2 (16-bit)", dict(kernel=G, pipeline=True)),
     ("gluon n32 s4", dict(kernel=G, block_n=32, num_stages=4)),
     ("gluon n32 s6 (fp8)", dict(kernel=G, block_n=32, num_stages=6)),
     ("gluon n32 s2", dict(kernel=G, block_n=32, num_stages=2)),
@@ -60,10 +65,13 @@ VARIANTS = [
     ("gluon n64 splits x2", dict(kernel=G, splits_x=2)),
     ("gluon n32 s3 splits x2", dict(kernel=G, block_n=32, num_stages=3, splits_x=2)),
     ("gluon n64 splits x4", dict(kernel=G, splits_x=4)),
+    (
+        "gluon pipe n32 s3 splits x2",
+        dict(kernel=G, pipeline=True, block_n=32, num_stages=3, splits_x=2),
+    ),
     ("triton splits x2", dict(splits_x=2)),
 ]
-FIRST = 3
-LATER_PAGES = ("triton default", "gluon n64 s2")  # (and the best variant of the first page)
+FIRST = 3  # (the first FIRST variants also run on the later pages, then each best variant)
 
 
 def log(*a):
@@ -105,12 +113,14 @@ class Sweep:
         mult = kw.pop("splits_x", None)
         if splits is not None:
             kw["num_splits"] = splits
-        p = attention.plan_mla_decode(view, HEADS, pt, sl, kv_lora_rank=RANK, max_seq_len=ctx,
-                                      **kw)  # fmt: skip
+        planner = attention.plan_mla_decode
+        if "pipeline" in kw:  # (the Gluon kernel's own knob: its own planner)
+            kw.pop("kernel")
+            planner = mla_gluon.plan_mla_gluon_decode
+        p = planner(view, HEADS, pt, sl, kv_lora_rank=RANK, max_seq_len=ctx, **kw)
         if mult and splits is None:
             kw["num_splits"] = min(p.num_splits * mult, attention.MAX_SPLITS)
-            p = attention.plan_mla_decode(view, HEADS, pt, sl, kv_lora_rank=RANK,
-                                          max_seq_len=ctx, **kw)  # fmt: skip
+            p = planner(view, HEADS, pt, sl, kv_lora_rank=RANK, max_seq_len=ctx, **kw)
         return p
 
     def point(self, dtype, page, label, knobs) -> dict:
@@ -124,6 +134,7 @@ class Sweep:
             dtype=dtype, page=page, B=self.b, L=self.n, heads=HEADS, variant=label, knobs=knobs,
             kernel=p.kernel, block_h=p.block_h, block_n=p.block_n, num_warps=p.num_warps,
             num_stages=p.num_stages, num_splits=p.num_splits,
+            pipeline=getattr(p, "pipeline", None),
         )  # fmt: skip
 
         def call():
@@ -190,23 +201,32 @@ class Sweep:
 
     def run(self) -> None:
         p0, rest = self.args.pages[0], self.args.pages[1:]
-        for tier in (VARIANTS[:FIRST], VARIANTS[FIRST:]):
-            self.run_list([(dtype, p0, label, k) for dtype in self.args.dtypes
-                           for label, k in tier
-                           if "(fp8)" not in label or dtype.startswith("fp8")])  # fmt: skip
-        knobs = dict(VARIANTS)
-        for page in rest:
+        first, others = VARIANTS[:FIRST], VARIANTS[FIRST:]
+        # the headline variants on every page first, variant by variant (the Triton kernel's
+        # points are measured before a Gluon one could fault the CUDA context)
+        self.run_list([(dtype, page, label, k) for label, k in first
+                       for page in (p0, *rest) for dtype in self.args.dtypes
+                       if _fits(label, dtype)])  # fmt: skip
+        self.run_list([(dtype, p0, label, k) for dtype in self.args.dtypes
+                       for label, k in others if _fits(label, dtype)])  # fmt: skip
+        heads = {label for label, _ in first}
+        for page in rest:  # each (dtype)'s best variant of the first page
             for dtype in self.args.dtypes:
-                labels = list(LATER_PAGES)
                 b = self.best(dtype, p0)
-                if b and b["variant"] not in labels:
-                    labels.append(b["variant"])
-                self.run_list([(dtype, page, x, knobs[x]) for x in labels])
+                if b and b["variant"] not in heads:
+                    self.run_list([(dtype, page, b["variant"], b["knobs"])])
+
+
+def _fits(label: str, dtype: str) -> bool:
+    """Variants marked for one kind of cache: "(fp8)" or "(16-bit)"."""
+    if "(fp8)" in label:
+        return dtype.startswith("fp8")
+    return "(16-bit)" not in label or not dtype.startswith("fp8")
 
 
 def line(r: dict) -> str:
     return (
-        f"{r['dtype']:5s} p{r['page']:<2d} {r['variant']:24s} {r['kernel']:10s} "
+        f"{r['dtype']:8s} p{r['page']:<2d} {r['variant']:27s} {r['kernel']:10s} "
         f"n{r['block_n']} s{r['num_stages']} x{r['num_splits']} | {r['time_ms']:.4f} ms "
         f"{r['tflops']:6.1f} TFLOP/s {r['latent_GBps']:7.1f} GB/s | err {r['err']:.2e} | "
         f"first call {r['first_call_s']} s"
