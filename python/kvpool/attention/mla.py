@@ -97,7 +97,7 @@ class MLADecodePlan:
     part_out, part_lse : torch.Tensor or None
         fp32 split workspaces ``[B, H, num_splits, Dl]`` / ``[B, H, num_splits]``.
     kernel : str
-        The kernel variant that runs: ``"mla_triton"`` (or ``"mla_small"``, a
+        The kernel variant that runs: ``"mla_triton"``, ``"mla_gluon"`` (or ``"mla_small"``, a
         :class:`kvpool.attention.mla_small.MLASmallDecodePlan`).
     dots : str
         ``"f16"`` (dequantize in registers, 16-bit dots) or ``"fp8"`` (fp8 caches: fp8 dots on
@@ -275,8 +275,9 @@ def plan_mla_decode(
 ) -> MLADecodePlan:
     """Plan :func:`mla_decode` for one batch (any MLA layer of the pool may use it).
 
-    ``kernel``: ``"mla_triton"`` (this module's head-block kernel) or ``"mla_small"``
-    (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there). Default:
+    ``kernel``: ``"mla_triton"`` (this module's head-block kernel), ``"mla_small"``
+    (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there) or
+    ``"mla_gluon"`` (opt-in, Hopper, bf16/fp16/fp8: :mod:`kvpool.attention.mla_gluon`). Default:
     ``mla_small`` for at most 32 heads per rank (DeepSeek-V3 and Kimi-K2 at TP 8) unless
     ``KVPOOL_MLA_SMALL=0``; the plan's ``kernel`` names the one that runs.
 
@@ -312,6 +313,13 @@ def plan_mla_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     from kvpool.attention import mla_small
 
+    if kernel == "mla_gluon":  # (opt-in: Hopper warpgroup MMAs, kvpool.attention.mla_gluon)
+        from kvpool.attention.mla_gluon import plan_gluon
+
+        return plan_gluon(
+            view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_h=block_h,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm, dots=dots,
+        )  # fmt: skip
     if dots != "fp8":  # (the value checked before routing; fp8's tile limits below)
         _check_dots(view, dots, rank, block_n or 32)
     if kernel == "mla_small" and dots == "fp8":
@@ -517,6 +525,10 @@ def mla_decode(
         from kvpool.attention.mla_small import launch_small
 
         return launch_small(view, q, page_table, seq_lens, plan, out, scale)
+    if plan.kernel == "mla_gluon":
+        from kvpool.attention.mla_gluon import launch_gluon
+
+        return launch_gluon(view, q, page_table, seq_lens, plan, out, scale)
 
     from kvpool.triton_kernels.mla import mla_decode_kernel
 

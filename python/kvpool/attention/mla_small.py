@@ -54,7 +54,7 @@ SMALL_MAX_HEADS = 32
 SMALL_BLOCK_H_MAX = 64
 #: ``KVPOOL_MLA_SMALL=0``: MLA decode plans take ``mla_triton`` unless ``kernel=`` says otherwise.
 MLA_SMALL_ENV = "KVPOOL_MLA_SMALL"
-KERNELS = ("mla_triton", "mla_small")
+KERNELS = ("mla_triton", "mla_small", "mla_gluon")  # (mla_gluon: routed before)
 
 #: Default tile of 16-bit caches: 32 tokens, 4 warps, 3 stages, no register prefetch. Compiled
 #: for sm_90 with Triton 3.6 at DeepSeek's latent (512 + 64) and 16 heads: 180 (bf16) to 255
