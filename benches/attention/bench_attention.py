@@ -175,7 +175,7 @@ def make_pool(dtype, rows):
 
 
 def with_page(view, page):
-    return LayerView(**{**view.__dict__, "page_size": page})
+    return dataclasses.replace(view, page_size=page)
 
 
 def page_table(b, ctx, page, rows, gen):

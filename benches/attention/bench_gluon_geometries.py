@@ -25,6 +25,7 @@ fill Triton's cache from N processes in parallel before the timed run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +37,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_models as bm  # noqa: E402
 from kvpool import attention  # noqa: E402
-from kvpool.pool import LayerView  # noqa: E402
 
 MODELS = {
     name: bm.MODELS[name]
@@ -99,7 +99,7 @@ def main(argv=None):
                 bm.log(f"budget of {args.budget_s} s spent: stopping")
                 break
             view = bm.random_view(dtype, rows, hk, d, "cuda", False)
-            view = LayerView(**{**view.__dict__, "page_size": 16})
+            view = dataclasses.replace(view, page_size=16)
             for b, n in shapes:
                 rec = dict(model=name, dtype=dtype, B=b, L=n, q_heads=hq, kv_heads=hk,
                            head_dim=d, options=sorted(opts))  # fmt: skip

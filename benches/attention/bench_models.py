@@ -31,6 +31,7 @@ under ``TRITON_INTERPRET=1``) with wall-clock timing, to check the script end to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -163,7 +164,7 @@ def page_table(b, ctx, page, rows, gen, dev):
 def kvpool_point(bench, view, name, tp, hq, opts, b, ctx, page, **plan_kw):
     mla = view.v is None
     gen = torch.Generator().manual_seed(b * 7 + ctx)
-    pv = LayerView(**{**view.__dict__, "page_size": page})
+    pv = dataclasses.replace(view, page_size=page)
     pt = page_table(b, ctx, page, view.k.shape[0], gen, bench.dev)
     sl = torch.full((b,), ctx, dtype=torch.int32, device=bench.dev)
     d = view.head_dim

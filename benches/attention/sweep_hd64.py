@@ -30,6 +30,7 @@ make it the default); writes ``<out>/sweep_hd64.json`` (records as they come) an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -87,10 +88,9 @@ def log(*a):
 
 def make_view(dtype, rows, dev="cuda"):
     import bench_models as bm
-    from kvpool.pool import LayerView
 
     view = bm.random_view(dtype, rows, HK, D, dev, False)
-    return LayerView(**{**view.__dict__, "page_size": 16})
+    return dataclasses.replace(view, page_size=16)
 
 
 def big_batch(view, b, n, seed=0):

@@ -28,6 +28,7 @@ bytes read / t, errors), then a table and the best variant per (TP, dtype, page)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -112,7 +113,7 @@ class Sweep:
         if dtype not in self.views:
             rows = max(self.b * self.n, sum(CHECK_LENS) + 64 * len(CHECK_LENS)) + 128
             self.views[dtype] = bm.random_view(dtype, rows, 0, self.d, self.dev, True)
-        return LayerView(**{**self.views[dtype].__dict__, "page_size": page})
+        return dataclasses.replace(self.views[dtype], page_size=page)
 
     # ------------------------------------------------------------------------- one point
 

@@ -30,6 +30,7 @@ watchdog stops the process ``--budget-s`` + 60 s after the start whatever runs t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -106,7 +107,7 @@ class Sweep:
         if dtype not in self.views:
             rows = max(self.b * self.n, sum(CHECK_LENS) + 64 * len(CHECK_LENS)) + 128
             self.views[dtype] = bm.random_view(dtype, rows, 0, self.d, self.dev, True)
-        return LayerView(**{**self.views[dtype].__dict__, "page_size": page})
+        return dataclasses.replace(self.views[dtype], page_size=page)
 
     def plan(self, view, pt, sl, ctx, knobs, splits=None):
         kw = dict(knobs)

@@ -34,6 +34,7 @@ measured (``<out>/sweep_mla_small.json`` is rewritten after every record) and pr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -118,7 +119,7 @@ def check_error(bench, dtype, d, heads, rank, knobs, splits) -> dict:
         k = -(-n // page)
         pt[b, :k] = torch.tensor([ids.pop() for _ in range(k)], dtype=torch.int32)
     pt, sl = pt.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev)
-    pv = bm.LayerView(**{**view.__dict__, "page_size": page})
+    pv = dataclasses.replace(view, page_size=page)
     q = torch.randn(len(lens), heads, view.head_dim, generator=gen).to(torch.bfloat16).to(dev)
     plan = make_plan(pv, heads, pt, sl, rank, max(lens), knobs, num_splits=splits)
     out = attention.mla_decode(pv, q, plan=plan, sm_scale=bm.MLA_SCALE, backend="triton")
@@ -133,7 +134,7 @@ def timed_splits(bench, view_like, heads, rank, b, n, knobs) -> int:
     depend on the page size)."""
     pt = torch.ones(b, n // 16, dtype=torch.int32, device=bench.dev)
     sl = torch.full((b,), n, dtype=torch.int32, device=bench.dev)
-    pv = bm.LayerView(**{**view_like.__dict__, "page_size": 16})
+    pv = dataclasses.replace(view_like, page_size=16)
     return make_plan(pv, heads, pt, sl, rank, n, knobs).num_splits
 
 
@@ -149,7 +150,7 @@ def copy_TBps(bench) -> float | None:
 
 def point(bench, view, model, heads, rank, b, n, page, knobs, vname) -> dict:
     gen = torch.Generator().manual_seed(b * 7 + n + page)
-    pv = bm.LayerView(**{**view.__dict__, "page_size": page})
+    pv = dataclasses.replace(view, page_size=page)
     pt = bm.page_table(b, n, page, view.k.shape[0], gen, bench.dev)
     sl = torch.full((b,), n, dtype=torch.int32, device=bench.dev)
     q = torch.randn(b, heads, view.head_dim, device=bench.dev).to(torch.bfloat16)
