@@ -3,6 +3,7 @@ groups 1..16; gemma-2's soft-capping and window, gpt-oss' sinks and window), eve
 the fp64 oracle of attention_helpers.py; the plan names the kernel; the bench's CPU smoke run.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -51,9 +52,7 @@ def test_uncovered_geometry_is_named():
     """A head_dim no kernel tiles is refused naming it and what is supported."""
     c = Cache("bf16", [9], heads=2, d=32, page=16)
     view = c.view
-    bad = type(view)(
-        **{**view.__dict__, "head_dim": 48, "k": view.k.new_empty(view.k.shape[0], 2, 48)}
-    )
+    bad = dataclasses.replace(view, head_dim=48, k=view.k.new_empty(view.k.shape[0], 2, 48))
     with pytest.raises(ValueError, match="`view.head_dim` = 48: the kernels need a power of two"):
         attention.plan_decode(bad, 4, c.page_table, c.seq_lens)
 

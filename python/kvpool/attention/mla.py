@@ -277,9 +277,12 @@ def plan_mla_decode(
 
     ``kernel``: ``"mla_triton"`` (this module's head-block kernel), ``"mla_small"``
     (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there) or
-    ``"mla_gluon"`` (opt-in, Hopper, bf16/fp16/fp8: :mod:`kvpool.attention.mla_gluon`). Default:
+    ``"mla_gluon"`` (Hopper, bf16/fp16/fp8: :mod:`kvpool.attention.mla_gluon`). Default:
     ``mla_small`` for at most 32 heads per rank (DeepSeek-V3 and Kimi-K2 at TP 8) unless
-    ``KVPOOL_MLA_SMALL=0``; the plan's ``kernel`` names the one that runs.
+    ``KVPOOL_MLA_SMALL=0``; ``mla_gluon`` above 32 heads for bf16/fp16/fp8_e4m3 caches on a
+    Hopper GPU when no tile knob is given, unless ``KVPOOL_MLA_GLUON=0``
+    (:func:`kvpool.attention.mla_gluon.routes_default`); else ``mla_triton``. The plan's
+    ``kernel`` names the one that runs.
 
     Defaults: ``block_h`` the heads' power of two in 16..64 (64 for 128 heads: two programs
     per request and split), ``block_n`` 64 tokens with 64-head programs and 32 below (H200,
@@ -311,12 +314,12 @@ def plan_mla_decode(
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
-    from kvpool.attention import mla_small
+    from kvpool.attention import mla_gluon, mla_small
 
-    if kernel == "mla_gluon":  # (opt-in: Hopper warpgroup MMAs, kvpool.attention.mla_gluon)
-        from kvpool.attention.mla_gluon import plan_gluon
-
-        return plan_gluon(
+    if kernel == "mla_gluon" or mla_gluon.routes_default(
+        view, h, rank, kernel, dots, block_h, block_n, num_warps, num_stages, asm
+    ):  # (Hopper warpgroup MMAs: kvpool.attention.mla_gluon)
+        return mla_gluon.plan_gluon(
             view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_h=block_h,
             block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm, dots=dots,
         )  # fmt: skip

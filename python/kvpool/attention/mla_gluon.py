@@ -57,7 +57,7 @@ STAGES_FIT_FP8 = {32: (2, 3, 4, 5, 6), 64: (2,)}
 #: as :data:`STAGES_FIT`.
 STAGES_FIT_FP8_PIPE = {32: (2, 3, 4)}
 #: Default (block_n, num_stages): 64-token tiles (the Triton kernel's measured best at 128
-#: heads), the only ring that fits them. Not measured yet (benches/attention/sweep_mla_gluon.py).
+#: heads), the only ring that fits them; the fastest in run 14 (sweep_mla_gluon.py).
 DEFAULT_TILE = (64, 2)
 #: Stages when only ``block_n`` is given (32-token tiles: 3, 188.5 KiB).
 DEFAULT_STAGES = {32: 3, 64: 2}
@@ -96,6 +96,35 @@ def gluon_unfit(view: LayerView, rank: int) -> str | None:
             f"{t.data_ptr():#x}): cp.async copies 16 bytes"
         )
     return _device_unfit(t.device)
+
+
+#: ``KVPOOL_MLA_GLUON=0``: MLA decode plans do not take ``mla_gluon`` by default.
+MLA_GLUON_ENV = "KVPOOL_MLA_GLUON"
+#: The caches it runs by default: measured in run 14 (H200, DeepSeek-V3 TP 1, B=64 x 8k, page
+#: 16, benches/attention/results/run14_h200/sweep_mla_gluon_stdout.txt): bf16 0.412 ms = 355
+#: TFLOP/s (mla_triton 0.599 ms), fp16 356 (0.982 ms), fp8_e4m3 0.536 ms = 272 (0.947 ms).
+#: fp8_e5m2 runs the same code but was not timed: opt-in (``kernel="mla_gluon"``).
+DEFAULT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
+
+
+def routes_default(view, h, rank, kernel, dots, *knobs) -> bool:
+    """Whether a plan with no ``kernel``, tile knobs or ``dots`` takes ``mla_gluon``.
+
+    It does for more than 32 heads (fewer go to ``mla_small``), a cache of
+    :data:`DEFAULT_DTYPES`, a layer and device it runs on (:func:`gluon_unfit`), unless
+    :data:`MLA_GLUON_ENV` is ``0``.
+    """
+    import os
+
+    from kvpool.attention import mla_small
+
+    if kernel is not None or dots not in (None, "f16") or any(k is not None for k in knobs):
+        return False
+    if h <= mla_small.SMALL_MAX_HEADS or view.dtype not in DEFAULT_DTYPES:
+        return False
+    if os.environ.get(MLA_GLUON_ENV, "1") == "0":
+        return False
+    return gluon_unfit(view, rank) is None
 
 
 @dataclass
