@@ -92,12 +92,10 @@ from kvpool.attention.launch_extend import extend
 from kvpool.attention.mla import (
     MLA_ROPE_DIM,
     MLADecodePlan,
-    MLAExtendPlan,
     mla_decode,
-    mla_extend,
     plan_mla_decode,
-    plan_mla_extend,
 )
+from kvpool.attention.mla_extend import MLAExtendPlan, mla_extend, plan_mla_extend
 from kvpool.attention.plans import (  # noqa: F401
     DecodePlan,
     ExtendPlan,

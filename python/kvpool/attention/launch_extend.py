@@ -28,7 +28,8 @@ from kvpool.attention.checks import (
     _sm_scale,
     _use_triton,
 )
-from kvpool.attention.mla import _refuse, mla_extend
+from kvpool.attention.mla import _refuse
+from kvpool.attention.mla_extend import mla_extend
 from kvpool.attention.plans import ExtendPlan, _extend_tiles
 from kvpool.attention.reference import reference_extend
 from kvpool.attention.variants import (
@@ -70,8 +71,8 @@ def extend(
     ----------
     view : LayerView
         The layer's buffers. An MLA layer (``v`` None) runs
-        :func:`kvpool.attention.mla.mla_extend` (``q [T, H, kv_lora_rank + qk_rope_head_dim]``,
-        ``sm_scale`` required, output ``[T, H, kv_lora_rank]``).
+        :func:`kvpool.attention.mla_extend.mla_extend` (``q [T, H, kv_lora_rank +
+        qk_rope_head_dim]``, ``sm_scale`` required, output ``[T, H, kv_lora_rank]``).
     q : torch.Tensor
         ``[T, H_q, D]`` fp32/bf16/fp16, ``T = cu_seqlens_q[-1]``.
     cu_seqlens_q : torch.Tensor or numpy.ndarray

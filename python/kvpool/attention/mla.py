@@ -35,7 +35,8 @@ heads per program. Every dtype is dequantized in registers (FP4 included), excep
 ``dots="fp8"`` (fp8 caches: fp8 dots on the raw bytes, :mod:`~kvpool.attention.mla_dots`). The
 kernels need ``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16 (Triton tiles); the torch
 reference (:func:`~kvpool.attention.reference.reference_mla_decode`) takes any geometry.
-Extend runs the absorbed form too (about 3.4x the FLOPs of the expanded form at DeepSeek's
+Extend's plan and launcher live in :mod:`kvpool.attention.mla_extend`. Extend runs the absorbed
+form too (about 3.4x the FLOPs of the expanded form at DeepSeek's
 shapes: fine for chunks of new tokens over a long prefix, not the fastest for a long plain
 prefill).
 """
@@ -60,14 +61,13 @@ from kvpool.attention._common import (
 from kvpool.attention.checks import (
     _check,
     _check_batch,
-    _check_cu_seqlens,
     _check_knob,
     _check_unit_inner_strides,
     _positive_real,
     _use_triton,
 )
 from kvpool.attention.mla_dots import _check_dots, _dots_consts
-from kvpool.attention.reference import reference_mla_decode, reference_mla_extend
+from kvpool.attention.reference import reference_mla_decode
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import _asm_mode, _check_fp4_tile
 
@@ -118,32 +118,6 @@ class MLADecodePlan:
     part_lse: torch.Tensor | None
     kernel: str = "mla_triton"
     dots: str = "f16"
-
-
-@dataclass
-class MLAExtendPlan:
-    """Launch metadata of :func:`mla_extend` for one batch.
-
-    ``work`` ``[n, 2]`` int32 lists (request, first new token) of every non-empty block of
-    ``block_t`` new tokens; the other fields as in :class:`MLADecodePlan`.
-    """
-
-    cu_seqlens_q: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
-    num_q_heads: int
-    kv_lora_rank: int
-    work: torch.Tensor
-    block_t: int
-    block_h: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    asm: bool
-    kernel: str = "mla_triton"
-
-
-# ----------------------------------------------------------------------------- checks
 
 
 def _rank(view: LayerView, kv_lora_rank, out=None) -> int:
@@ -364,62 +338,6 @@ def plan_mla_decode(
     )  # fmt: skip
 
 
-def _extend_tiles(h: int, block_t, block_h, block_n, num_warps, num_stages):
-    bh = min(64, _pow2(h)) if block_h is None else _check_knob("block_h", block_h, 1, 128, True)
-    bt = max(1, 64 // bh) if block_t is None else _check_knob("block_t", block_t, 1, pow2=True)
-    if bt * bh < 16:
-        raise ValueError(
-            f"`block_t` x `block_h` = {bt} x {bh}: a program needs >= 16 rows (tensor-core tiles)"
-        )
-    bn = _check_knob("block_n", 32 if block_n is None else block_n, 16, pow2=True)
-    nw = _check_knob("num_warps", 8 if num_warps is None else num_warps, 1, 32, pow2=True)
-    ns = _check_knob("num_stages", 2 if num_stages is None else num_stages, 1)
-    return bt, bh, bn, nw, ns
-
-
-def plan_mla_extend(
-    view: LayerView,
-    num_q_heads: int,
-    cu_seqlens_q: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    kv_lora_rank: int | None = None,
-    block_t: int | None = None,
-    block_h: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    asm: bool | None = None,
-) -> MLAExtendPlan:
-    """Plan :func:`mla_extend` for one batch: the (request, token block) pairs with new tokens.
-
-    Reads ``cu_seqlens_q`` on the host once. Defaults: ``block_h`` the heads' power of two up
-    to 64, ``block_t`` ``64 / block_h`` tokens (64 rows a program), ``block_n`` 32, 8 warps,
-    2 stages. Raises ValueError as :func:`plan_mla_decode`, and for ``cu_seqlens_q`` not
-    non-decreasing from 0.
-    """
-    rank = _rank(view, kv_lora_rank)
-    _check_mla_view(view, rank, kernels=True)
-    h = _check_knob("num_q_heads", num_q_heads, 1)
-    dev = view.k.device
-    bt, bh, bn, nw, ns = _extend_tiles(h, block_t, block_h, block_n, num_warps, num_stages)
-    _check_fp4_tile(view, bn)
-    _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu_host = cu_seqlens_q.cpu()
-    _check_cu_seqlens(cu_host.long(), None)
-    cu = cu_host.tolist()
-    work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], bt)]
-    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, 2).to(dev)
-    asm = _asm_ok(view) if asm is None else bool(asm) and _asm_ok(view)
-    return MLAExtendPlan(
-        cu_seqlens_q, page_table, seq_lens, h, rank, work_t, bt, bh, bn, nw, ns, asm
-    )
-
-
-# ----------------------------------------------------------------------------- launchers
-
-
 def _kernel_consts(view: LayerView, rank: int, asm: bool) -> dict:
     fmt, _, has_scale, fp4_mul = _KERNEL_FORMAT[view.dtype]
     cdt = _compute_dtype(view.dtype)
@@ -550,97 +468,4 @@ def mla_decode(
 
         # (the latent is K and V: its fp8 scale / nvfp4 global scale is V's factor too)
         _merge(plan, out, None, ksc, consts["HAS_SCALE"], consts["FP4_MUL"])
-    return out
-
-
-def mla_extend(
-    view: LayerView,
-    q: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None = None,
-    page_table: torch.Tensor | None = None,
-    seq_lens: torch.Tensor | None = None,
-    *,
-    sm_scale: float | None = None,
-    kv_lora_rank: int | None = None,
-    backend: Backend = "auto",
-    plan: MLAExtendPlan | None = None,
-    out: torch.Tensor | None = None,
-    debug: bool = False,
-) -> torch.Tensor:
-    """Absorbed MLA extend: ragged new tokens attend causally to their prefix and themselves.
-
-    ``q [T, H, Dl + Dr]`` (request ``b``'s new tokens ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``,
-    the last ``q_len_b`` of its ``seq_lens[b]`` tokens, latents written) -> ``[T, H, Dl]`` in
-    q's dtype. Other arguments and errors as in :func:`mla_decode` and
-    :func:`kvpool.attention.extend`; ``plan`` from :func:`plan_mla_extend`.
-    """
-    scale = _mla_scale(sm_scale)
-    if plan is not None and not isinstance(plan, MLAExtendPlan):
-        raise ValueError(f"`plan` is a {type(plan).__name__}: MLA layers need an MLAExtendPlan")
-    if plan is not None:
-        cu_seqlens_q = plan.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q
-        page_table = plan.page_table if page_table is None else page_table
-        seq_lens = plan.seq_lens if seq_lens is None else seq_lens
-        kv_lora_rank = plan.kv_lora_rank if kv_lora_rank is None else kv_lora_rank
-    rank = _rank(view, kv_lora_rank, out)
-    triton = _use_triton(backend, q)
-    _check_mla_view(view, rank, kernels=triton)
-    _check_q(q, view)
-    if cu_seqlens_q is None or page_table is None or seq_lens is None:
-        raise ValueError(
-            "`cu_seqlens_q`, `page_table` and `seq_lens` are required without a `plan`"
-        )
-    dev = view.k.device
-    t, h, _ = q.shape
-    _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
-    bsz = page_table.shape[0]
-    _check("cu_seqlens_q", cu_seqlens_q, shape=[bsz + 1], dtype=torch.int32, device=dev)
-    _check("seq_lens", seq_lens, shape=[bsz], dtype=torch.int32, device=dev)
-    out = _out(out, t, h, rank, q)
-    if not triton:
-        ref = reference_mla_extend(
-            view, q, cu_seqlens_q, page_table, seq_lens, sm_scale=scale, kv_lora_rank=rank
-        )
-        return out.copy_(ref)
-    if debug or dev.type != "cuda":
-        _check_batch(view, page_table, seq_lens, cu_seqlens_q, t)
-    if t == 0 or bsz == 0:
-        return out
-    _check_unit_inner_strides(
-        out=out, page_table=page_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q
-    )
-    if plan is not None:
-        if (plan.num_q_heads, plan.kv_lora_rank) != (h, rank):
-            raise ValueError(
-                f"`plan` was made for {plan.num_q_heads} heads, kv_lora_rank "
-                f"{plan.kv_lora_rank}; this call has {h}, {rank}"
-            )
-        bt, bh, bn, nw, ns = (
-            plan.block_t,
-            plan.block_h,
-            plan.block_n,
-            plan.num_warps,
-            plan.num_stages,
-        )
-        work, asm, grid0, per_req = plan.work, plan.asm, plan.work.shape[0], 1
-    else:
-        bt, bh, bn, nw, ns = _extend_tiles(h, None, None, None, None, None)
-        work, asm = None, _asm_ok(view)
-        per_req = _cdiv(t, bt)
-        grid0 = bsz * per_req
-    _check_fp4_tile(view, bn)
-    if grid0 == 0:
-        return out
-
-    from kvpool.triton_kernels.mla import mla_extend_kernel
-
-    kbs, ksc, kbs_stride = _scales(view)
-    mla_extend_kernel[(grid0, _cdiv(h, bh))](
-        q, view.k, kbs, ksc, page_table, seq_lens, cu_seqlens_q,
-        work if work is not None else cu_seqlens_q, out,
-        q.stride(0), q.stride(1), view.k.stride(0), kbs_stride, page_table.stride(0),
-        out.stride(0), out.stride(1), scale, per_req, view.page_size.bit_length() - 1, h,
-        BLOCK_H=bh, BLOCK_T=bt, BLOCK_N=bn, USE_WORK=work is not None,
-        **_kernel_consts(view, rank, asm), num_warps=nw, num_stages=ns,
-    )  # fmt: skip
     return out

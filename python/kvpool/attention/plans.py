@@ -21,7 +21,8 @@ from kvpool.attention.checks import (
     _group,
 )
 from kvpool.attention.gluon_knobs import GluonKnobs
-from kvpool.attention.mla import MLADecodePlan, MLAExtendPlan, plan_mla_decode, plan_mla_extend
+from kvpool.attention.mla import MLADecodePlan, plan_mla_decode
+from kvpool.attention.mla_extend import MLAExtendPlan, plan_mla_extend
 from kvpool.attention.splits import MAX_SPLITS, default_splits
 from kvpool.attention.variants import (
     _GLUON_OVERHEAD,
@@ -546,7 +547,7 @@ def plan_extend(
     built with numpy and copied through pinned memory (no sync). Tile options left as None
     take the measured defaults (``_extend_tiles``); ``asm=None`` the default decode path of
     the dtype (word-level for FP4). An MLA layer is planned by
-    :func:`kvpool.attention.mla.plan_mla_extend`.
+    :func:`kvpool.attention.mla_extend.plan_mla_extend`.
 
     ``host_cu_seqlens_q``: ``[B + 1]`` int32/int64 numpy, the same values as
     ``cu_seqlens_q`` (a device tensor, e.g. from one packed copy of the step's metadata),

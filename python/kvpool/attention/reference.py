@@ -163,7 +163,7 @@ def reference_mla_decode(view, q, page_table, seq_lens, *, sm_scale, kv_lora_ran
 
 
 def reference_mla_extend(view, q, cu_seqlens_q, page_table, seq_lens, *, sm_scale, kv_lora_rank):
-    """Torch reference of :func:`kvpool.attention.mla.mla_extend`: causal, fp32.
+    """Torch reference of :func:`kvpool.attention.mla_extend.mla_extend`: causal, fp32.
 
     ``q [T, H, Dl + Dr]``; returns ``[T, H, kv_lora_rank]`` fp32. Raises ValueError on bad
     ``cu_seqlens_q``, ``seq_lens`` or page ids (:func:`_check_batch`).
