@@ -316,6 +316,11 @@ def plan_mla_decode(
     ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
     from kvpool.attention import mla_gluon, mla_small
 
+    if kernel is not None and (not isinstance(kernel, str) or kernel not in mla_small.KERNELS):
+        # (checked before routing: with dots="fp8" no later check reads it)
+        raise ValueError(
+            f"`kernel` = {kernel!r}: MLA decode kernels are {', '.join(mla_small.KERNELS)}"
+        )
     if kernel == "mla_gluon" or mla_gluon.routes_default(
         view, h, rank, kernel, dots, block_h, block_n, num_warps, num_stages, asm
     ):  # (Hopper warpgroup MMAs: kvpool.attention.mla_gluon)
