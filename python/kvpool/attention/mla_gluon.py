@@ -12,9 +12,10 @@ tile knob or ``dots="fp8"`` is given, unless ``KVPOOL_MLA_GLUON=0`` (:func:`rout
 from run 14's numbers: :data:`DEFAULT_DTYPES`); else opt-in with
 ``plan_mla_decode(..., kernel="mla_gluon")``. The plan's ``kernel`` field shows which runs.
 What it takes, else ValueError naming the value (``mla_triton`` runs everything): bf16, fp16,
-fp8_e4m3 and fp8_e5m2 caches (fp8: the ring holds the cache's bytes, each tile is widened to fp16 in shared memory for the MMAs; the per-tensor scale goes
-into the scores and the output), the latent 512 + 64 (DeepSeek, Kimi), any power-of-two page
-size, 16-byte aligned latent rows, ``dots`` f16, an NVIDIA GPU of compute capability 9.x
+fp8_e4m3 and fp8_e5m2 caches (fp8: the ring holds the cache's bytes, each tile is widened to
+fp16 in shared memory for the MMAs; the per-tensor scale goes into the scores and the output),
+the latent 512 + 64 (DeepSeek, Kimi), any power-of-two page size, 16-byte aligned latent rows,
+``dots`` f16, an NVIDIA GPU of compute capability 9.x
 (wgmma) with a Triton in ``attention.GLUON_TRITON`` (3.6).
 
 Knobs: ``block_n`` 32 or 64 tokens a tile, ``num_stages`` the ring's tiles (what fits 227 KiB
