@@ -92,3 +92,21 @@ def test_rescale_out_of_range_refused(multi, rescale):
     assert why is not None and "rescale" in why
     assert gk.knobs_unfit(view, 3, GluonKnobs(multi=multi, rescale=8.0)) is None
     assert gk.knobs_unfit(view, 3, GluonKnobs(multi=multi, rescale=-1.0)) is None
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.7, True, "abc"])
+def test_max_seq_len_checked_by_every_mla_planner(bad, monkeypatch):
+    monkeypatch.setattr(mla_gluon, "_device_unfit", lambda device: None)
+    c = _deepseek("bf16")
+    planners = [
+        lambda **kw: attention.plan_mla_decode(c.view, 16, c.page_table, c.seq_lens, **kw),
+        lambda **kw: attention.plan_mla_decode(c.view, 128, c.page_table, c.seq_lens, **kw),
+        lambda **kw: attention.plan_mla_decode(c.view, 128, c.page_table, c.seq_lens,
+                                               kernel="mla_triton", **kw),  # fmt: skip
+        lambda **kw: mla_small.plan_mla_small_decode(c.view, 16, c.page_table, c.seq_lens, **kw),
+        lambda **kw: mla_gluon.plan_mla_gluon_decode(c.view, 128, c.page_table, c.seq_lens, **kw),
+    ]
+    for plan in planners:
+        with pytest.raises(ValueError, match="`max_seq_len` = "):
+            plan(kv_lora_rank=512, max_seq_len=bad)
+        assert plan(kv_lora_rank=512, max_seq_len=100).num_splits >= 1

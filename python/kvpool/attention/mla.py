@@ -313,7 +313,7 @@ def plan_mla_decode(
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
-    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    ctx = cap if max_seq_len is None else min(_check_knob("max_seq_len", max_seq_len, 1), cap)
     from kvpool.attention import mla_gluon, mla_small
 
     if kernel is not None and (not isinstance(kernel, str) or kernel not in mla_small.KERNELS):

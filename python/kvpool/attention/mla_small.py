@@ -217,7 +217,7 @@ def plan_mla_small_decode(
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     cap = page_table.shape[1] * view.page_size
-    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    ctx = cap if max_seq_len is None else min(_check_knob("max_seq_len", max_seq_len, 1), cap)
     return plan_small(
         view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_h=block_h,
         block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm, prefetch=prefetch,
