@@ -110,3 +110,11 @@ def test_max_seq_len_checked_by_every_mla_planner(bad, monkeypatch):
         with pytest.raises(ValueError, match="`max_seq_len` = "):
             plan(kv_lora_rank=512, max_seq_len=bad)
         assert plan(kv_lora_rank=512, max_seq_len=100).num_splits >= 1
+
+
+def test_bad_knobs_env_is_named(monkeypatch):
+    monkeypatch.setenv(gk.KNOBS_ENV, "multi=2")
+    with pytest.raises(ValueError, match="KVPOOL_GLUON_KNOBS.*bad value in 'multi=2'"):
+        gk.env_knobs()
+    monkeypatch.setenv(gk.KNOBS_ENV, "  ")
+    assert gk.env_knobs() is None

@@ -275,7 +275,12 @@ def programs_per_sm(view: LayerView, group: int, k: GluonKnobs) -> int:
 def env_knobs() -> GluonKnobs | None:
     """:data:`KNOBS_ENV` parsed (None when unset or empty)."""
     text = os.environ.get(KNOBS_ENV, "").strip()
-    return parse_knobs(text) if text else None
+    if not text:
+        return None
+    try:
+        return parse_knobs(text)
+    except ValueError as e:  # (raised by every Gluon plan: say where the text came from)
+        raise ValueError(f"environment {KNOBS_ENV}: {e}") from None
 
 
 def pick(view: LayerView, group: int, given) -> GluonKnobs | None:
