@@ -101,8 +101,9 @@ def test_max_seq_len_checked_by_every_mla_planner(bad, monkeypatch):
     planners = [
         lambda **kw: attention.plan_mla_decode(c.view, 16, c.page_table, c.seq_lens, **kw),
         lambda **kw: attention.plan_mla_decode(c.view, 128, c.page_table, c.seq_lens, **kw),
-        lambda **kw: attention.plan_mla_decode(c.view, 128, c.page_table, c.seq_lens,
-                                               kernel="mla_triton", **kw),  # fmt: skip
+        lambda **kw: attention.plan_mla_decode(
+            c.view, 128, c.page_table, c.seq_lens, kernel="mla_triton", **kw
+        ),  # fmt: skip
         lambda **kw: mla_small.plan_mla_small_decode(c.view, 16, c.page_table, c.seq_lens, **kw),
         lambda **kw: mla_gluon.plan_mla_gluon_decode(c.view, 128, c.page_table, c.seq_lens, **kw),
     ]
