@@ -84,3 +84,50 @@ def test_decode_record_key_follows_the_fp8_option_table():
         assert key() == k1 and keep is not variants._GLUON_FP8_OPTIONS
     finally:
         variants._GLUON_FP8_OPTIONS = orig
+
+
+def _tiny_view():
+    cfg = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               vocab_size=100)  # fmt: skip
+    spec = ModelSpec.from_dict(cfg, name="tiny", dtype="bf16")
+    view = kvpool.KVPool(kvpool.size_for(spec, "bf16", num_tokens=256, page_size=16), "cpu").layer(
+        0
+    )
+    g = torch.Generator().manual_seed(0)
+    view.k.copy_(torch.randn(view.k.shape, generator=g))
+    view.v.copy_(torch.randn(view.v.shape, generator=g))
+    pt = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    sl = torch.tensor([20, 9], dtype=torch.int32)
+    return view, pt, sl, g
+
+
+def test_an_in_place_decode_is_not_recorded():
+    """``out=q``: one object in two per-call places; no record (see the interpreted test)."""
+    view, pt, sl, _ = _tiny_view()
+    plan = attention.plan_decode(view, 4, pt, sl, num_splits=1, gluon=False)
+    q = torch.zeros(2, 4, 32, dtype=torch.bfloat16)
+    assert replay.decode_key(view, q, plan, q, None, 0.2, None, None, "triton", False) is None
+    assert replay.decode_key(view, q, plan, None, None, 0.2, None, None, "triton", False)
+
+
+@pytest.mark.interpret
+def test_decode_after_an_in_place_decode_reads_its_own_q():
+    """A decode with ``out=q`` recorded one pointer for both places: the next call of the same
+    kind with its own ``out`` read ``out`` (zeros) as q."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    view, pt, sl, g = _tiny_view()
+    plan = attention.plan_decode(view, 4, pt, sl, num_splits=1, gluon=False)
+    q1 = torch.randn(2, 4, 32, generator=g).bfloat16()
+    qq = q1.clone()
+    attention.decode(view, qq, plan=plan, out=qq, sm_scale=0.2, backend="triton")
+    ref1 = attention.decode(view, q1, pt, sl, sm_scale=0.2, backend="torch")
+    assert (qq.float() - ref1.float()).abs().max() < 0.05
+    q2 = torch.randn(2, 4, 32, generator=g).bfloat16()
+    out2 = torch.zeros_like(q2)
+    attention.decode(view, q2, plan=plan, out=out2, sm_scale=0.2, backend="triton")
+    ref2 = attention.decode(view, q2, pt, sl, sm_scale=0.2, backend="torch")
+    assert (out2.float() - ref2.float()).abs().max() < 0.05

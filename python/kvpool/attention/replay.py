@@ -139,6 +139,10 @@ def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_p
         return None, None
     else:
         sk, sp = _key(sinks)
+    if out is q or (sinks is not None and (sinks is q or sinks is out)):
+        # (one object in two per-call places: a record of it would put one pointer in both
+        # places when replayed with two tensors; such calls are checked and launched as usual)
+        return None, None
     pk, (pt, sl, po, pl) = _plan_key(plan)
     key = (
         pk, qk, ok, sk, sm_scale, window, softcap, backend,
