@@ -131,3 +131,24 @@ def test_decode_after_an_in_place_decode_reads_its_own_q():
     attention.decode(view, q2, plan=plan, out=out2, sm_scale=0.2, backend="triton")
     ref2 = attention.decode(view, q2, pt, sl, sm_scale=0.2, backend="torch")
     assert (out2.float() - ref2.float()).abs().max() < 0.05
+
+
+def test_a_deep_copied_view_has_no_records_and_a_generation_of_its_own():
+    """A record holds the buffers' addresses as ints (CUDA's fast replay): kept on a deep copy
+    at the same generation it would replay there on the original's buffers."""
+    import copy
+
+    from kvpool import _launch
+
+    view, pt, sl, _ = _tiny_view()
+    _launch.records(view)["x"] = object()  # (any record)
+    plan = attention.plan_decode(view, 4, pt, sl, num_splits=1, gluon=False)
+    replay._plan_key(plan)
+    twin = copy.deepcopy(view)
+    assert _launch.generation(twin) not in (None, _launch.generation(view))
+    assert "_launch_records" not in twin.__dict__ and "x" in _launch.records(view)
+    assert twin.k is not view.k and torch.equal(twin.k, view.k) and twin.dtype == view.dtype
+    p2 = copy.deepcopy(plan)
+    assert "_launch_key" not in p2.__dict__ and p2.page_table is not plan.page_table
+    assert _launch.generation(p2) != _launch.generation(plan)
+    assert _launch.generation(copy.copy(view)) == _launch.generation(view)  # (same buffers)
