@@ -111,7 +111,9 @@ DEFAULT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 
 
 def routes_default(view, h, rank, kernel, dots, *knobs) -> bool:
-    """Whether a plan with no ``kernel``, tile knobs or ``dots`` takes ``mla_gluon``.
+    """Whether a plan with no ``kernel``, tile knobs or ``dots="fp8"`` takes ``mla_gluon``.
+
+    ``knobs``: ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``asm`` as given.
 
     It does for more than 32 heads (fewer go to ``mla_small``), a cache of
     :data:`DEFAULT_DTYPES`, a layer and device it runs on (:func:`gluon_unfit`), unless
