@@ -43,7 +43,8 @@ def _run(c, heads, q_dtype=torch.bfloat16, **knobs):
 
 
 def test_default_routing_unchanged():
-    """128 heads still take the head-block Triton kernel unless kernel='mla_gluon' is given."""
+    """128 heads on a cache mla_gluon cannot run (here: a CPU tensor) take the head-block Triton
+    kernel. (The default on Hopper is mla_gluon: test_review_mla checks that routing.)"""
     c = Latent("bf16", [40, 3], rank=512, rope=64)
     p = attention.plan_mla_decode(c.view, 128, c.page_table, c.seq_lens, kv_lora_rank=512)
     assert p.kernel == "mla_triton"

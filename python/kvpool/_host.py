@@ -106,7 +106,9 @@ def packed_views(buf, specs, offs: list[int]) -> list:
         whole = typed.get(dt)
         if whole is None:
             whole = typed[dt] = buf.view(_torch_dtype(dt))  # (the offsets are 64-byte aligned)
-        out.append(whole.as_strided(shape, _strides(shape), o // dt.itemsize))
+        # (as_strided's offset counts from the storage's start, not the buffer's)
+        at = whole.storage_offset() + o // dt.itemsize
+        out.append(whole.as_strided(shape, _strides(shape), at))
     return out
 
 
@@ -136,8 +138,9 @@ def to_device_packed(arrays, device: torch.device, out: torch.Tensor | None = No
         Where the tensors go. On a CPU device (and no ``out``) each array is copied into a
         tensor of its own.
     out : torch.Tensor, optional
-        A ``uint8`` buffer on ``device`` of at least :func:`pack_layout`'s size to copy into
-        (queued work that still reads it must be on the current stream); default a new one.
+        A contiguous 1-D ``uint8`` buffer on ``device``, 16-byte aligned, of at least
+        :func:`pack_layout`'s size to copy into (its first bytes are used; queued work that
+        still reads it must be on the current stream); default a new one.
 
     Returns
     -------
@@ -147,7 +150,7 @@ def to_device_packed(arrays, device: torch.device, out: torch.Tensor | None = No
     Raises
     ------
     ValueError
-        ``out`` too small, not uint8, or on another device.
+        ``out`` too small, not uint8, on another device, strided or not 16-byte aligned.
     """
     # (not np.ascontiguousarray: it makes a 0-d array 1-D)
     arrays = [
@@ -165,8 +168,14 @@ def to_device_packed(arrays, device: torch.device, out: torch.Tensor | None = No
             f"`out` is {out.dtype} {list(out.shape)} on {out.device}; the packed copy needs a "
             f"1-D uint8 buffer of >= {total} bytes on {device}"
         )
+    elif out.stride(0) != 1 or out.data_ptr() % 16 or out.storage_offset() % 16:
+        raise ValueError(
+            f"`out` (stride {out.stride(0)}, address {out.data_ptr():#x}): the packed copy needs "
+            "a contiguous buffer starting on a 16-byte boundary (its views are 16-byte aligned)"
+        )
     host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
     for a, v in zip(arrays, packed_views(host.numpy(), specs, offs), strict=True):
         v[...] = a
-    out[:total].copy_(host, non_blocking=True)
+    out = out[:total]
+    out.copy_(host, non_blocking=True)
     return packed_views(out, specs, offs)

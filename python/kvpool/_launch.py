@@ -93,6 +93,24 @@ class Generation:
         object.__setattr__(self, name, value)
         self.__dict__["_gen"] = next(_GENERATIONS)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A deep copy without the records made from this object, at a generation of its own.
+
+        A record holds its buffers' addresses as ints (the fast replay's): copied with the
+        generation, a record would still be valid on the copy and replay on the original's
+        buffers. (``copy.copy`` keeps both: the copy has the same buffers.)
+        """
+        import copy
+
+        obj = object.__new__(type(self))
+        memo[id(self)] = obj
+        d = obj.__dict__
+        for k, v in self.__dict__.items():
+            if k not in _CACHE_KEYS:
+                d[k] = copy.deepcopy(v, memo)
+        d["_gen"] = next(_GENERATIONS)
+        return obj
+
     @classmethod
     def fresh(cls, **fields: Any):
         """A new instance of this dataclass from its fields, the fast way.
@@ -119,6 +137,8 @@ class Generation:
 
 
 _FIELDS: dict[type, tuple[frozenset, frozenset, dict]] = {}
+# what the launch paths cache in a Generation object's __dict__ (not copied by deepcopy)
+_CACHE_KEYS = frozenset(("_gen", "_launch_records", "_launch_key"))
 
 
 def _field_spec(cls: type) -> tuple[frozenset, frozenset, dict]:

@@ -21,6 +21,7 @@ defaults) and ``plan.kernel`` names it (``..._multi`` for the second family).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 #: to every Gluon plan made without ``gluon_knobs`` whose layer it fits (others keep their
 #: defaults; ``plan.kernel`` says which ran).
 KNOBS_ENV = "KVPOOL_GLUON_KNOBS"
+
+#: Bound on ``rescale`` (exclusive): the lazy rescale keeps ``p <= 2^rescale`` and P is rounded
+#: to fp16 (largest finite 65,504 < 2^16) for the ``P V`` products.
+RESCALE_MAX = 16.0
 
 # shared memory per block on the H100 / H200, and the 1 KiB the runtime reserves per block
 _SMEM = 227 * 1024
@@ -58,7 +63,8 @@ class GluonKnobs:
     tma : bool or None
         Data rows by TMA boxes (sm_90+; multi default True, FP4 default True, fp8 none).
     rescale : float or None
-        Lazy softmax rescale threshold in log2 units (< 0: rescale every step).
+        Lazy softmax rescale threshold in log2 units (< 0: rescale every step; finite and
+        below :data:`RESCALE_MAX`, 16: P is rounded to fp16).
     ahead : int
         multi: page ids loaded this many stages (1 or 2) before their copies are issued.
     maxnreg : int or None
@@ -175,6 +181,10 @@ def knobs_unfit(view: LayerView, group: int, k: GluonKnobs) -> str | None:
         return f"knobs with `maxnreg` = {k.maxnreg} (24..255)"
     if k.per_sm is not None and not 1 <= k.per_sm <= 32:
         return f"knobs with `per_sm` = {k.per_sm} (1..32)"
+    if k.rescale is not None and not (math.isfinite(k.rescale) and k.rescale < RESCALE_MAX):
+        # (lazy rescale keeps p <= 2^rescale, rounded to fp16 for P V: 2^16 overflows; inf
+        # never moves the running max off -inf, so every p is inf)
+        return f"knobs with `rescale` = {k.rescale!r} (finite, < {RESCALE_MAX:g}; < 0: eager)"
     fp4 = view.dtype in _FP4
     if not k.multi:
         if k.heads != 1 or k.ahead != 1:
@@ -265,7 +275,12 @@ def programs_per_sm(view: LayerView, group: int, k: GluonKnobs) -> int:
 def env_knobs() -> GluonKnobs | None:
     """:data:`KNOBS_ENV` parsed (None when unset or empty)."""
     text = os.environ.get(KNOBS_ENV, "").strip()
-    return parse_knobs(text) if text else None
+    if not text:
+        return None
+    try:
+        return parse_knobs(text)
+    except ValueError as e:  # (raised by every Gluon plan: say where the text came from)
+        raise ValueError(f"environment {KNOBS_ENV}: {e}") from None
 
 
 def pick(view: LayerView, group: int, given) -> GluonKnobs | None:

@@ -253,10 +253,11 @@ def plan_mla_decode(
     (:mod:`kvpool.attention.mla_small`, tokens on M; its knobs are documented there) or
     ``"mla_gluon"`` (Hopper, bf16/fp16/fp8: :mod:`kvpool.attention.mla_gluon`). Default:
     ``mla_small`` for at most 32 heads per rank (DeepSeek-V3 and Kimi-K2 at TP 8) unless
-    ``KVPOOL_MLA_SMALL=0``; ``mla_gluon`` above 32 heads for bf16/fp16/fp8_e4m3 caches on a
-    Hopper GPU when no tile knob is given, unless ``KVPOOL_MLA_GLUON=0``
-    (:func:`kvpool.attention.mla_gluon.routes_default`); else ``mla_triton``. The plan's
-    ``kernel`` names the one that runs.
+    ``KVPOOL_MLA_SMALL=0`` or ``dots="fp8"``; ``mla_gluon`` above 32 heads for
+    bf16/fp16/fp8_e4m3 caches on a Hopper GPU when none of ``block_h``, ``block_n``,
+    ``num_warps``, ``num_stages``, ``asm`` is given and ``dots`` is not ``"fp8"``, unless
+    ``KVPOOL_MLA_GLUON=0`` (:func:`kvpool.attention.mla_gluon.routes_default`); else
+    ``mla_triton``. The plan's ``kernel`` names the one that runs.
 
     Defaults: ``block_h`` the heads' power of two in 16..64 (64 for 128 heads: two programs
     per request and split), ``block_n`` 64 tokens with 64-head programs and 32 below (H200,
@@ -287,9 +288,14 @@ def plan_mla_decode(
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
-    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    ctx = cap if max_seq_len is None else min(_check_knob("max_seq_len", max_seq_len, 1), cap)
     from kvpool.attention import mla_gluon, mla_small
 
+    if kernel is not None and (not isinstance(kernel, str) or kernel not in mla_small.KERNELS):
+        # (checked before routing: with dots="fp8" no later check reads it)
+        raise ValueError(
+            f"`kernel` = {kernel!r}: MLA decode kernels are {', '.join(mla_small.KERNELS)}"
+        )
     if kernel == "mla_gluon" or mla_gluon.routes_default(
         view, h, rank, kernel, dots, block_h, block_n, num_warps, num_stages, asm
     ):  # (Hopper warpgroup MMAs: kvpool.attention.mla_gluon)

@@ -7,12 +7,15 @@ from the page table into a ``cp.async`` ring. Aimed at DeepSeek-V3 at TP 1 (128 
 programs a request, sharing its tiles through L2), where the head-block Triton kernel
 (``mla_triton``) reached 244 TFLOP/s bf16 on the H200 (run 14).
 
-Opt-in only (``plan_mla_decode(..., kernel="mla_gluon")``) until GPU numbers exist; the plan's
-``kernel`` field shows it. What it takes, else ValueError naming the value (``mla_triton``
-runs everything): bf16, fp16, fp8_e4m3 and fp8_e5m2 caches (fp8: the ring holds the cache's
-bytes, each tile is widened to fp16 in shared memory for the MMAs; the per-tensor scale goes
-into the scores and the output), the latent 512 + 64 (DeepSeek, Kimi), any power-of-two page
-size, 16-byte aligned latent rows, ``dots`` f16, an NVIDIA GPU of compute capability 9.x
+Routed by default above 32 heads for bf16, fp16 and fp8_e4m3 caches on a Hopper GPU when no
+tile knob or ``dots="fp8"`` is given, unless ``KVPOOL_MLA_GLUON=0`` (:func:`routes_default`,
+from run 14's numbers: :data:`DEFAULT_DTYPES`); else opt-in with
+``plan_mla_decode(..., kernel="mla_gluon")``. The plan's ``kernel`` field shows which runs.
+What it takes, else ValueError naming the value (``mla_triton`` runs everything): bf16, fp16,
+fp8_e4m3 and fp8_e5m2 caches (fp8: the ring holds the cache's bytes, each tile is widened to
+fp16 in shared memory for the MMAs; the per-tensor scale goes into the scores and the output),
+the latent 512 + 64 (DeepSeek, Kimi), any power-of-two page size, 16-byte aligned latent rows,
+``dots`` f16, an NVIDIA GPU of compute capability 9.x
 (wgmma) with a Triton in ``attention.GLUON_TRITON`` (3.6).
 
 Knobs: ``block_n`` 32 or 64 tokens a tile, ``num_stages`` the ring's tiles (what fits 227 KiB
@@ -108,7 +111,9 @@ DEFAULT_DTYPES = ("bf16", "fp16", "fp8_e4m3")
 
 
 def routes_default(view, h, rank, kernel, dots, *knobs) -> bool:
-    """Whether a plan with no ``kernel``, tile knobs or ``dots`` takes ``mla_gluon``.
+    """Whether a plan with no ``kernel``, tile knobs or ``dots="fp8"`` takes ``mla_gluon``.
+
+    ``knobs``: ``block_h``, ``block_n``, ``num_warps``, ``num_stages``, ``asm`` as given.
 
     It does for more than 32 heads (fewer go to ``mla_small``), a cache of
     :data:`DEFAULT_DTYPES`, a layer and device it runs on (:func:`gluon_unfit`), unless
@@ -238,7 +243,7 @@ def plan_mla_gluon_decode(
     _check("page_table", page_table, ndim=2, dtype=torch.int32, device=dev)
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     cap = page_table.shape[1] * view.page_size
-    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    ctx = cap if max_seq_len is None else min(_check_knob("max_seq_len", max_seq_len, 1), cap)
     return plan_gluon(
         view, h, page_table, seq_lens, rank, ctx, num_splits=num_splits, block_n=block_n,
         num_stages=num_stages, pipeline=pipeline,

@@ -77,6 +77,22 @@ def _plan_key(plan: DecodePlan) -> tuple:
     return key, tensors
 
 
+# (the table keyed last, its items): the table is held, so its identity means what it says
+_FP8_OPTIONS: list = [None, ()]
+
+
+def _fp8_options() -> tuple:
+    """``variants._GLUON_FP8_OPTIONS``'s contents as a key, made again when it is reassigned.
+
+    Not its ``id``: a table replaced by another is freed, and CPython gives the next new dict
+    its address, so two tables met in turn had one key (the first one's launch replayed).
+    """
+    d = variants._GLUON_FP8_OPTIONS
+    if _FP8_OPTIONS[0] is not d:
+        _FP8_OPTIONS[:] = [d, tuple(sorted(d.items()))]
+    return _FP8_OPTIONS[1]
+
+
 def _key(t: torch.Tensor | None) -> tuple[tuple | None, int | None]:
     """``(tensor_key(t), t.data_ptr())`` with one ``data_ptr`` call; ``(None, None)`` for None."""
     if t is None:
@@ -123,11 +139,14 @@ def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_p
         return None, None
     else:
         sk, sp = _key(sinks)
+    if out is q or (sinks is not None and (sinks is q or sinks is out)):
+        # (one object in two per-call places: a record of it would put one pointer in both
+        # places when replayed with two tensors; such calls are checked and launched as usual)
+        return None, None
     pk, (pt, sl, po, pl) = _plan_key(plan)
     key = (
         pk, qk, ok, sk, sm_scale, window, softcap, backend,
-        merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
-        id(variants._GLUON_FP8_OPTIONS),
+        merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC, _fp8_options(),
     )  # fmt: skip
     # (not hashed here: the record lookup hashes it, and refuses an unhashable option)
     po = None if po is None else po.data_ptr()
