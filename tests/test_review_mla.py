@@ -119,3 +119,31 @@ def test_bad_knobs_env_is_named(monkeypatch):
         gk.env_knobs()
     monkeypatch.setenv(gk.KNOBS_ENV, "  ")
     assert gk.env_knobs() is None
+
+
+def test_mla_extend_plan_takes_the_host_cu_seqlens():
+    """``plan_extend(host_cu_seqlens_q=)`` on an MLA layer builds its work list from the numpy
+    copy (no device read): the same (request, first token) pairs as from the tensor."""
+    import numpy as np
+
+    c = Latent("bf16", [40, 3, 17], rank=32, rope=16)
+    cu = np.array([0, 5, 6, 26], dtype=np.int32)
+    dev = torch.from_numpy(cu)
+    kw = {"kv_lora_rank": 32}
+    a = attention.plan_extend(c.view, 16, dev, c.page_table, c.seq_lens, **kw)
+    b = attention.plan_extend(c.view, 16, dev, c.page_table, c.seq_lens, host_cu_seqlens_q=cu, **kw)
+    assert a.work.tolist() == b.work.tolist() and len(a.work) > 3
+    bad = np.array([0, 5, 4, 26], dtype=np.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        attention.plan_extend(
+            c.view, 16, dev, c.page_table, c.seq_lens, host_cu_seqlens_q=bad, **kw
+        )
+
+
+@pytest.mark.parametrize("bad", [0, -5, "abc"])
+def test_plan_decode_checks_max_seq_len(bad):
+    from attention_helpers import Cache
+
+    c = Cache("bf16", [40, 3], heads=2, d=64, page=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        attention.plan_decode(c.view, 4, c.page_table, c.seq_lens, max_seq_len=bad)

@@ -91,12 +91,14 @@ def plan_mla_extend(
     num_warps: int | None = None,
     num_stages: int | None = None,
     asm: bool | None = None,
+    host_cu_seqlens_q=None,
 ) -> MLAExtendPlan:
     """Plan :func:`mla_extend` for one batch: the (request, token block) pairs with new tokens.
 
-    Reads ``cu_seqlens_q`` on the host once. Defaults: ``block_h`` the heads' power of two up
-    to 64, ``block_t`` ``64 / block_h`` tokens (64 rows a program), ``block_n`` 32, 8 warps,
-    2 stages. Raises ValueError as :func:`plan_mla_decode`, and for ``cu_seqlens_q`` not
+    Reads ``cu_seqlens_q`` on the host once (a device sync), or ``host_cu_seqlens_q`` (numpy,
+    the same values) without touching the device. Defaults: ``block_h`` the heads' power of
+    two up to 64, ``block_t`` ``64 / block_h`` tokens (64 rows a program), ``block_n`` 32, 8
+    warps, 2 stages. Raises ValueError as :func:`plan_mla_decode`, and for ``cu_seqlens_q`` not
     non-decreasing from 0.
     """
     rank = _rank(view, kv_lora_rank)
@@ -106,7 +108,10 @@ def plan_mla_extend(
     bt, bh, bn, nw, ns = _extend_tiles(h, block_t, block_h, block_n, num_warps, num_stages)
     _check_fp4_tile(view, bn)
     _check("cu_seqlens_q", cu_seqlens_q, ndim=1, dtype=torch.int32, device=dev)
-    cu_host = cu_seqlens_q.cpu()
+    if host_cu_seqlens_q is not None:
+        cu_host = torch.from_numpy(host_cu_seqlens_q.astype("int64"))
+    else:
+        cu_host = cu_seqlens_q.cpu()
     _check_cu_seqlens(cu_host.long(), None)
     cu = cu_host.tolist()
     work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], bt)]

@@ -347,7 +347,7 @@ def plan_decode(
     _check("seq_lens", seq_lens, shape=[page_table.shape[0]], dtype=torch.int32, device=dev)
     b = page_table.shape[0]
     cap = page_table.shape[1] * view.page_size
-    ctx = cap if max_seq_len is None else min(int(max_seq_len), cap)
+    ctx = cap if max_seq_len is None else min(_check_knob("max_seq_len", max_seq_len, 1), cap)
     knobs = {
         "block_n": block_n,
         "num_warps": num_warps,
@@ -570,6 +570,7 @@ def plan_extend(
         return plan_mla_extend(
             view, num_q_heads, cu_seqlens_q, page_table, seq_lens, kv_lora_rank=kv_lora_rank,
             block_t=block_t, block_n=block_n, num_warps=num_warps, num_stages=num_stages, asm=asm,
+            host_cu_seqlens_q=cu_np,
         )  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
