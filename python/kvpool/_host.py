@@ -10,6 +10,7 @@ the copy has run).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -78,13 +79,23 @@ def pack_layout(specs) -> tuple[list[int], int]:
     Each array starts at a multiple of :data:`PACK_ALIGN`. ``specs``: numpy arrays, or
     ``(shape, numpy dtype)`` pairs.
     """
+    key = tuple(
+        (sp.shape, sp.dtype) if isinstance(sp, np.ndarray) else (tuple(sp[0]), np.dtype(sp[1]))
+        for sp in specs
+    )
+    offs, total = _layout(key)
+    return list(offs), total
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(key) -> tuple[tuple[int, ...], int]:
+    # (a serving loop packs the same few shapes every step: computed once per shape set)
     offs, n = [], 0
-    for sp in specs:
-        shape, dt = (sp.shape, sp.dtype) if isinstance(sp, np.ndarray) else sp
+    for shape, dt in key:
         offs.append(n)
-        nbytes = math.prod(shape) * np.dtype(dt).itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         n += -(-nbytes // PACK_ALIGN) * PACK_ALIGN
-    return offs, max(n, PACK_ALIGN)
+    return tuple(offs), max(n, PACK_ALIGN)
 
 
 def packed_views(buf, specs, offs: list[int]) -> list:
@@ -108,12 +119,13 @@ def packed_views(buf, specs, offs: list[int]) -> list:
             whole = typed[dt] = buf.view(_torch_dtype(dt))  # (the offsets are 64-byte aligned)
         # (as_strided's offset counts from the storage's start, not the buffer's)
         at = whole.storage_offset() + o // dt.itemsize
-        out.append(whole.as_strided(shape, _strides(shape), at))
+        out.append(whole.as_strided(shape, _strides(tuple(shape)), at))
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def _strides(shape) -> tuple[int, ...]:
-    """C-contiguous strides (in elements) of ``shape``."""
+    """C-contiguous strides (in elements) of ``shape`` (a tuple; cached: a loop's shapes recur)."""
     st, n = [], 1
     for d in reversed(shape):
         st.append(n)
