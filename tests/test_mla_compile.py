@@ -33,14 +33,18 @@ KV = {"bf16": "bf16", "fp8_e4m3": "fp8e4nv", "fp8_e5m2": "fp8e5"}
 
 
 def default_plan(dtype: str, dots: str, heads: int):
-    """``plan_mla_decode``'s defaults at B=64 x 8k for a DeepSeek layer (a CPU view)."""
+    """``plan_mla_decode``'s defaults for the head-block kernel (``mla_triton``: the one these
+    builds compile) at B=64 x 8k for a DeepSeek layer (a CPU view)."""
     from kvpool import attention
     from test_mla import Latent
 
     c = Latent(dtype, [16], rank=512, rope=64)
     pt = torch.ones(64, 512, dtype=torch.int32)
     sl = torch.full((64,), 8192, dtype=torch.int32)
-    return c.view, attention.plan_mla_decode(c.view, heads, pt, sl, kv_lora_rank=512, dots=dots)
+    p = attention.plan_mla_decode(
+        c.view, heads, pt, sl, kv_lora_rank=512, dots=dots, kernel="mla_triton"
+    )
+    return c.view, p
 
 
 def compile_decode(dtype: str, dots: str, heads: int):
