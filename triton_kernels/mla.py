@@ -32,6 +32,36 @@ E4M3_MAX = tl.constexpr(448.0)  # the largest finite e4m3 value
 
 
 @triton.jit
+def split_range(SEQ, b, split, num_splits, BLOCK_N: tl.constexpr):
+    """Request ``b``'s tokens ``start .. end - 1`` of KV split ``split`` (chunks of whole tiles;
+    a split past the sequence gets ``start >= end``)."""
+    seq = tl.load(SEQ + b)
+    chunk = tl.cdiv(tl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq)
+
+
+@triton.jit
+def latent_factors(KSC, sm_scale, HAS_SCALE: tl.constexpr, FP4_MUL: tl.constexpr):
+    """``(kf, qk_scale)``: the value factor folded out of the dots (the fp8 per-tensor scale or
+    the nvfp4 global scale, times FP4's 64) and the softmax scale in log2 units including it."""
+    kf = FP4_MUL
+    if HAS_SCALE:
+        kf = kf * tl.load(KSC)
+    return kf, sm_scale * kf * LOG2E
+
+
+@triton.jit
+def tile_slots(pt_row, s, end, page_shift, page_mask, BLOCK_N: tl.constexpr):
+    """Slots (int64) and mask of the tokens ``s .. s + BLOCK_N - 1`` below ``end``; the page
+    table is read only for those."""
+    t = s + tl.arange(0, BLOCK_N)
+    tm = t < end
+    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
+    return page.to(tl.int64) * (page_mask + 1) + (t & page_mask), tm
+
+
+@triton.jit
 def latent_tile(
     KV,
     KBS,
@@ -134,10 +164,7 @@ def mla_tile_step(
     points at the request's page-table row. ``CAUSAL``: row ``r`` also masks the tokens past
     its position ``pos[r]`` (extend); else ``pos`` is unused (decode). ``page_mask`` =
     ``(1 << page_shift) - 1``, computed once by the caller outside its loop."""
-    t = s + tl.arange(0, BLOCK_N)
-    tm = t < end
-    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-    slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+    slot, tm = tile_slots(pt_row, s, end, page_shift, page_mask, BLOCK_N)
     kn = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, 0, DL, BLOCK_N, FMT, CDT, ASM)
     kr = latent_tile(KV, KBS, slot, tm, stride_kr, stride_kbr, DL, DR, BLOCK_N, FMT, CDT, ASM)
     if IS_F32:
@@ -147,6 +174,7 @@ def mla_tile_step(
         qk = tl.dot(q_n, tl.trans(kn))
         qk = tl.dot(q_r, tl.trans(kr), acc=qk)
     if CAUSAL:
+        t = s + tl.arange(0, BLOCK_N)
         keep = tm[None, :] & (t[None, :] <= pos[:, None])
     else:
         keep = tm[None, :]
@@ -189,10 +217,7 @@ def mla_tile_step_f8(
     the whole e4m3 range, so small weights keep 3 mantissa bits down to 2^-6 / 448) rounded to
     e4m3, dotted with the tile's first ``DL`` values: the caller divides by ``E4M3_MAX``.
     ``EMU``: the operands are fp32 holding the same fp8 values, the dots fp32 (interpreter)."""
-    t = s + tl.arange(0, BLOCK_N)
-    tm = t < end
-    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-    slot = page.to(tl.int64) * (page_mask + 1) + (t & page_mask)
+    slot, tm = tile_slots(pt_row, s, end, page_shift, page_mask, BLOCK_N)
     kn = latent_raw(KV, slot, tm, stride_kr, 0, DL, EMU, "")
     kr = latent_raw(KV, slot, tm, stride_kr, DL, DR, EMU, "")
     # V = the same bytes as kn, loaded again (from L2): an fp8 wgmma takes B K-major, so V goes
@@ -261,15 +286,9 @@ def mla_decode_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     page_mask = (1 << page_shift) - 1
-    seq = tl.load(SEQ + b)
-    chunk = tl.cdiv(tl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq)
+    start, end = split_range(SEQ, b, split, num_splits, BLOCK_N)
 
-    kf = FP4_MUL
-    if HAS_SCALE:
-        kf = kf * tl.load(KSC)
-    qk_scale = sm_scale * kf * LOG2E
+    kf, qk_scale = latent_factors(KSC, sm_scale, HAS_SCALE, FP4_MUL)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -375,10 +394,7 @@ def mla_extend_kernel(
     seq = tl.load(SEQ + b)
     page_mask = (1 << page_shift) - 1
 
-    kf = FP4_MUL
-    if HAS_SCALE:
-        kf = kf * tl.load(KSC)
-    qk_scale = sm_scale * kf * LOG2E
+    kf, qk_scale = latent_factors(KSC, sm_scale, HAS_SCALE, FP4_MUL)
 
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     tok = t0 + rows // BLOCK_H

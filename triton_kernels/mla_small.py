@@ -28,19 +28,9 @@ import triton
 import triton.language as tl
 
 from .decode import dequant, load_raw
-from .mla import latent_tile
+from .mla import latent_factors, latent_tile, split_range, tile_slots
 
 LOG2E = tl.constexpr(1.4426950408889634)  # (compiled Triton refuses plain globals in @jit)
-
-
-@triton.jit
-def tile_slots(pt_row, s, end, page_shift, page_mask, BLOCK_N: tl.constexpr):
-    """Slots (int64) and mask of the tokens ``s .. s + BLOCK_N - 1`` below ``end``; the page
-    table is read only for those."""
-    t = s + tl.arange(0, BLOCK_N)
-    tm = t < end
-    page = tl.load(pt_row + (t >> page_shift), mask=tm, other=0)
-    return page.to(tl.int64) * (page_mask + 1) + (t & page_mask), tm
 
 
 @triton.jit
@@ -138,15 +128,9 @@ def mla_small_decode_kernel(
     split = tl.program_id(1)
     page_mask = (1 << page_shift) - 1
     E5M2: tl.constexpr = KV.dtype.element_ty == tl.float8e5
-    seq = tl.load(SEQ + b)
-    chunk = tl.cdiv(tl.cdiv(seq, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq)
+    start, end = split_range(SEQ, b, split, num_splits, BLOCK_N)
 
-    kf = FP4_MUL
-    if HAS_SCALE:
-        kf = kf * tl.load(KSC)
-    qk_scale = sm_scale * kf * LOG2E
+    kf, qk_scale = latent_factors(KSC, sm_scale, HAS_SCALE, FP4_MUL)
 
     heads = tl.arange(0, HP)
     hmask = heads < H
