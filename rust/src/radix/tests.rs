@@ -344,30 +344,6 @@ fn cache_alloc_hands_out_evicted_pages() {
 }
 
 #[test]
-fn children_inline_one_then_table() {
-    let mut c = Children::default();
-    assert!(c.candidates(5).is_empty() && c.well_formed());
-    c.insert(5, 10);
-    assert!(c.solo == Some((5, 10)) && c.well_formed());
-    assert_eq!((c.candidates(5), c.candidates(6)), (&[10][..], &[][..]));
-    c.replace(5, 10, 11);
-    assert_eq!(c.candidates(5), &[11]);
-    c.insert(5, 12); // same first token (page_size > 1)
-    c.insert(7, 13);
-    assert!(c.solo.is_none() && c.well_formed() && c.len() == 3);
-    assert_eq!(c.candidates(5), &[11, 12]);
-    c.remove(5, 11);
-    c.remove(5, 99); // not a child: nothing
-    assert_eq!(c.len(), 2);
-    c.remove(7, 13);
-    assert!(c.solo == Some((5, 12)) && c.well_formed());
-    assert_eq!(c.ids().collect::<Vec<_>>(), vec![12]);
-    c.remove(7, 12); // wrong first token: nothing
-    c.remove(5, 12);
-    assert!(c.is_empty() && c.well_formed() && c.candidates(5).is_empty());
-}
-
-#[test]
 fn children_sharing_a_first_token() {
     // page_size 2: [1, 2] and [1, 3] both start with token 1 but are different pages.
     let (mut a, mut c) = setup(16, 2);
