@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvpool._torch import torch
 from kvpool.attention._common import Backend, _cdiv, _pow2
 from kvpool.attention.checks import (
@@ -113,9 +115,12 @@ def plan_mla_extend(
     else:
         cu_host = cu_seqlens_q.cpu()
     _check_cu_seqlens(cu_host.long(), None)
-    cu = cu_host.tolist()
-    work = [(b, t) for b in range(len(cu) - 1) for t in range(0, cu[b + 1] - cu[b], bt)]
-    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, 2).to(dev)
+    # (request, first new token) of every block, request-major: numpy, no loop per block
+    lens = np.diff(cu_host.numpy().astype(np.int64))
+    nb = -(-lens // bt)
+    starts = np.arange(int(nb.sum())) - np.repeat(np.cumsum(nb) - nb, nb)
+    work = np.stack([np.repeat(np.arange(len(lens)), nb), starts * bt], 1).astype(np.int32)
+    work_t = torch.from_numpy(work).to(dev)
     asm = _asm_ok(view) if asm is None else bool(asm) and _asm_ok(view)
     return MLAExtendPlan(
         cu_seqlens_q, page_table, seq_lens, h, rank, work_t, bt, bh, bn, nw, ns, asm
