@@ -77,6 +77,9 @@ class ModelRunner:
     def __init__(self, model: Llama, pool: Any):
         self.model, self.pool = model, pool
         self._host_cu: tuple[Step, np.ndarray] | None = None  # (last upload, its cu_seqlens_q)
+        # one copy a step into a ring of two device buffers (a step's tensors are used before
+        # the next step uploads: at most one earlier step live)
+        self._upload = kvpool.PackedUpload(model.device, depth=2)
 
     def prepare(self, pages: list[np.ndarray], cached: list[int], new: list[int]) -> Step:
         # kvpool's Rust batch helpers build the [B, max_pages] int32 page table
@@ -86,13 +89,13 @@ class ModelRunner:
 
     def upload(self, step: Step) -> Step:
         """A host step on the model's device: one pinned buffer, one copy, no sync (the five
-        tensors are views of one device buffer); its cu_seqlens_q stays known on the host, so
-        ``plan_extend`` reads no device value."""
+        tensors are views of a reused device buffer, kvpool.PackedUpload); its cu_seqlens_q
+        stays known on the host, so ``plan_extend`` reads no device value."""
         if self.model.device.type == "cpu":
             return step
         host = [t.numpy() for t in (step.positions, step.out_loc, step.page_table,
                                     step.seq_lens, step.cu_seqlens_q)]  # fmt: skip
-        pos, loc, pt, sl, cu = kvpool.to_device_packed(host, self.model.device)
+        pos, loc, pt, sl, cu = self._upload(host)
         out = Step(positions=pos, out_loc=loc, page_table=pt, seq_lens=sl, cu_seqlens_q=cu)
         self._host_cu = (out, host[4])
         return out

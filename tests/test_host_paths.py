@@ -17,7 +17,13 @@ torch = pytest.importorskip("torch")
 
 import kvpool  # noqa: E402
 from kvpool import _launch, attention  # noqa: E402
-from kvpool._host import PACK_ALIGN, pack_layout, packed_views, to_device_packed  # noqa: E402
+from kvpool._host import (  # noqa: E402
+    PACK_ALIGN,
+    PackedUpload,
+    pack_layout,
+    packed_views,
+    to_device_packed,
+)
 from kvpool.config import ModelSpec  # noqa: E402
 from kvpool.graph import DecodeGraph  # noqa: E402
 
@@ -74,6 +80,80 @@ def test_packed_views_of_numpy_and_torch_buffers_agree():
         v[...] = 10 * i + 1
     dev = packed_views(torch.from_numpy(host), specs, offs)
     assert [t.tolist() for t in dev] == [[[1] * 3] * 2, [11] * 4, 21]
+
+
+def test_packed_upload_reuses_its_ring_and_keeps_each_call_for_depth_calls():
+    up = PackedUpload("cpu", depth=2)
+    first = up(ARRAYS)
+    for a, t in zip(ARRAYS, first, strict=True):
+        assert t.dtype == torch.from_numpy(np.ascontiguousarray(a)).dtype
+        assert tuple(t.shape) == a.shape and np.array_equal(t.numpy(), a)
+    # the arrays were copied: refilling them changes nothing uploaded
+    b = [a + 1 if a.dtype != np.float32 else a * 2 for a in ARRAYS]
+    second = up(b)
+    assert all(np.array_equal(t.numpy(), a) for a, t in zip(ARRAYS, first, strict=True))
+    assert all(np.array_equal(t.numpy(), a) for a, t in zip(b, second, strict=True))
+    # the third call reuses the first call's buffer and views (the same tensors, new values)
+    third = up(b)
+    assert all(x is y for x, y in zip(first, third, strict=True))
+    assert all(np.array_equal(t.numpy(), a) for a, t in zip(b, first, strict=True))
+    assert first[0].data_ptr() != second[0].data_ptr()
+    # another shape set in the same slot: views of the same buffer, at the layout's offsets
+    big = [np.arange(300, dtype=np.int32).reshape(100, 3), np.arange(9, dtype=np.int64)]
+    got = up(big)  # (slot 1)
+    assert [t.tolist() for t in got] == [a.tolist() for a in big]
+    assert got[1].data_ptr() - got[0].data_ptr() == pack_layout(big)[0][1]
+    # a shape set larger than the buffer regrows it
+    huge = [np.arange(100_000, dtype=np.int32)]
+    assert up(huge)[0].tolist() == huge[0].tolist()
+    assert up(huge)[0].tolist() == huge[0].tolist()
+
+
+def test_packed_upload_refuses_bad_arguments():
+    for depth in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="`depth`"):
+            PackedUpload("cpu", depth=depth)
+    up = PackedUpload("cpu")
+    with pytest.raises(TypeError, match=r"`arrays\[1\]` is list"):
+        up([ARRAYS[0], [1, 2]])
+    # nothing was consumed by the refused call: the next one still uses slot 0
+    assert up._next == 0
+
+
+def test_plan_decode_memo_gives_the_fresh_choice_for_each_batch_shape(monkeypatch):
+    from kvpool.attention import plans
+
+    pool = _pool()
+    view = pool.layer(0)
+    for b, width, ctx in ((1, 4, 40), (3, 8, 100), (3, 8, None)):
+        pt = torch.zeros(b, width, dtype=torch.int32)
+        sl = torch.full((b,), 17, dtype=torch.int32)
+        monkeypatch.setattr(plans, "_PLAN_MEMO", {})
+        first = attention.plan_decode(view, 4, pt, sl, max_seq_len=ctx)  # (made, memoized)
+        assert len(plans._PLAN_MEMO) == 1
+        pt2, sl2 = pt.clone(), sl.clone()
+        again = attention.plan_decode(view, 4, pt2, sl2, max_seq_len=ctx)  # (from the memo)
+        assert again.page_table is pt2 and again.seq_lens is sl2
+        assert again is not first and _launch.generation(again) != _launch.generation(first)
+        mine = {k: v for k, v in vars(again).items() if k not in plans._BATCH_FIELDS}
+        assert mine == {k: v for k, v in vars(first).items() if k not in plans._BATCH_FIELDS}
+        splits = first.num_splits
+        assert (again.part_out is None) == (splits == 1)
+        if splits > 1:
+            assert again.part_out.shape == first.part_out.shape
+            assert again.part_out.data_ptr() != first.part_out.data_ptr()
+    # what the choice reads changes the key: the view's fields, the environment, knobs
+    n = len(plans._PLAN_MEMO)
+    view.page_size = view.page_size  # (a new generation)
+    attention.plan_decode(view, 4, pt, sl)
+    monkeypatch.setenv("KVPOOL_GLUON_WIDE", "0")
+    attention.plan_decode(view, 4, pt, sl)
+    assert len(plans._PLAN_MEMO) == n + 2
+    attention.plan_decode(view, 4, pt, sl, block_n=32)  # (knobs given: never memoized)
+    assert len(plans._PLAN_MEMO) == n + 2
+    # a bad batch is refused on a memo hit as on a miss (its shape is in the key)
+    with pytest.raises(ValueError, match="seq_lens"):
+        attention.plan_decode(view, 4, pt, torch.zeros(b + 1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])

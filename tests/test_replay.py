@@ -96,6 +96,41 @@ def test_launch_substitutes_the_per_call_tensors():
     assert not rec.fast  # (CPU: the normal launch)
 
 
+def test_direct_launch_only_for_a_known_launcher(monkeypatch):
+    """The C launch under Triton's launcher is called directly only for the Triton versions
+    read (``DIRECT_TRITON``), a ``CudaLauncher`` whose kernel needs no scratch buffer."""
+    calls = []
+
+    class CudaLauncher:  # (the class name is what is checked)
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *args):
+            calls.append(args)
+
+    class Other(CudaLauncher):
+        pass
+
+    monkeypatch.setattr(_launch, "_DIRECT_OK", [True])
+    good = CudaLauncher()
+    assert _launch._direct_launch(good) == good.launch
+    assert _launch._direct_launch(Other()) is None
+    scratch = CudaLauncher()
+    scratch.profile_scratch_size = 64
+    assert _launch._direct_launch(scratch) is None
+    monkeypatch.setattr(_launch, "_DIRECT_OK", [False])  # (another Triton)
+    assert _launch._direct_launch(good) is None
+    # a record with the direct launch passes the wrapper's arguments, scratch None
+    rec = object.__new__(_launch.Launch)
+    for name in _launch.Launch.__slots__:
+        setattr(rec, name, None)
+    rec.full, rec.subs, rec.grid = [7, None, 9], ((1, 0),), (3, 1, 1)
+    rec.direct, rec.function, rec.meta, rec.coop, rec.pdl = good.launch, 11, (4, 1, 0), False, True
+    rec.launch_ptrs(5, [0xABC])
+    assert calls == [(3, 1, 1, 5, 11, False, True, None, None, (4, 1, 0), None, None, None,
+                      7, 0xABC, 9)]  # fmt: skip
+
+
 @interpret
 @pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3", "nvfp4"])
 @pytest.mark.parametrize("splits", [1, 2])
@@ -198,13 +233,15 @@ BIG = dict(TINY, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp8_e4m3", "nvfp4", "fp4_mx_block16"])
 @pytest.mark.parametrize("lens", [[700], [37] * 64 + [1000]])
 def test_fast_launch_equals_the_normal_launch_gpu(dtype, lens):
-    """Two pools with the same contents: one step of write + decode on each, one through the
-    compiled kernels' launchers, one through Triton's normal launch; equal bit for bit."""
+    """Three pools with the same contents: one step of write + decode on each, through the C
+    launch under Triton's launcher (where the version is known), through the compiled kernels'
+    launchers and through Triton's normal launch; equal bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     results = []
-    for fast in (True, False):
-        _launch.FAST = fast
+    # the C launch under Triton's launcher, the launcher's Python wrapper, the normal launch
+    for fast, direct in ((True, True), (True, False), (False, True)):
+        _launch.FAST, _launch.DIRECT = fast, direct
         try:
             pool = _pool(dtype, "cuda", BIG, tokens=sum(lens) + 64 * PS)
             for b in pool.plan.buffers:  # (torch.empty: pages no request writes hold garbage)
@@ -226,12 +263,15 @@ def test_fast_launch_equals_the_normal_launch_gpu(dtype, lens):
                 launches = [r[1] for r in _writes(view)]
                 launches += [x for r in replay.recorded(view) for x in r.launches]
                 assert launches and all(x.fast == fast for x in launches)
+                if _launch._direct_version():  # (Triton 3.6: kvpool's kernels use no scratch)
+                    assert all(x.direct is not None for x in launches)
             torch.cuda.synchronize()
             bufs = [t.clone() for i in pool.layers for t in (pool.layer(i).k, pool.layer(i).v)]
             results.append((outs, bufs))
         finally:
-            _launch.FAST = True
-    (o1, b1), (o2, b2) = results
-    assert all(torch.equal(a, b) for a, b in zip(o1, o2, strict=True))
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(b1, b2, strict=True))  # fmt: skip
+            _launch.FAST = _launch.DIRECT = True
+    (o1, b1), *rest = results
+    for o2, b2 in rest:
+        assert all(torch.equal(a, b) for a, b in zip(o1, o2, strict=True))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(b1, b2, strict=True))  # fmt: skip

@@ -7,22 +7,26 @@ head_dim 128, 32 query heads, page_size 16, every request ``--ctx`` tokens long)
 - ``decode_slots`` / ``extend_slots``: the Rust batch helpers (extend: the last 8 tokens);
 - ``h2d``: page table, seq_lens and slots to the pool's device, one pinned ``non_blocking``
   copy each (as before issue 22's packing); ``h2d_packed``: the same three in one pinned
-  buffer and one copy (:func:`kvpool.to_device_packed`, what ``examples/serve.py`` does);
+  buffer and one copy (:func:`kvpool.to_device_packed`: a new device buffer and views each
+  call); ``h2d_upload``: the same through :class:`kvpool.PackedUpload` (a ring of device
+  buffers whose views are made once, what ``examples/serve.py`` does);
 - ``plan_decode`` / ``plan_extend``: the attention plans (``plan_extend`` reads ``cu_seqlens_q``
   once per batch by design);
 - ``write_decode``: one ``pool.write`` + one ``pool.decode(plan=...)`` of one layer, repeated
   over ``--layers`` layers and divided by them (per layer host time), with the launches
-  recorded and replayed through the compiled kernels' launchers (``kvpool._launch``, the
-  default); side by side ``write_decode_normal_launch`` (records replayed through Triton's
+  recorded and replayed through the C launch under the compiled kernels' launchers
+  (``kvpool._launch``, the default); side by side ``write_decode_launcher_wrapper`` (through
+  the launchers' Python wrapper, ``_launch.DIRECT = False``), ``write_decode_normal_launch`` (records replayed through Triton's
   normal launch, ``_launch.FAST = False``: the checks made once, Triton's JIT dispatch per
   launch) and ``write_decode_unrecorded`` (``_launch.RECORD = False``: every call checked and
   launched from scratch, as before records);
-- ``step_metadata``: page_table + decode_slots + h2d_packed + plan_decode, the per-step total
-  (``step_metadata_3_copies``: with ``h2d``, the figure of runs 13 and before).
+- ``step_metadata``: page_table + decode_slots + h2d_upload + plan_decode, the per-step total
+  (``step_metadata_packed``: with ``h2d_packed``, run 14's figure; ``step_metadata_3_copies``:
+  with ``h2d``, the figure of runs 13 and before).
 - ``running_step``: the same step's table and slots kept in place instead
   (:class:`kvpool.running.RunningBatch`: ``grow`` (one row in 16 gains a page), ``slots``,
   ``advance``), what ``examples/serve.py --cuda-graph`` does per step before its graph replay;
-  ``running_metadata``: running_step + h2d_packed + plan_decode;
+  ``running_metadata``: running_step + h2d_upload + plan_decode;
 - ``graph_fill``: :class:`kvpool.graph.DecodeGraph`'s copy of a step into its bucket's static
   buffers (page table, seq_lens, slots, token ids padded into one pinned buffer, one copy;
   ``graph_fill_per_buffer``: one pinned copy per buffer, as before).
@@ -62,7 +66,7 @@ import kvpool
 import numpy as np
 import torch
 from kvpool import _launch, attention
-from kvpool._host import to_device_packed
+from kvpool._host import PackedUpload, to_device_packed
 
 
 def _noop(*args, **kwargs) -> None:
@@ -185,6 +189,11 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
     def h2d_packed():  # (stub: packed into a host buffer, the same Python work)
         return to_device_packed([pt_np, seq, slots_np], dev, out=packed_out)
 
+    upload = PackedUpload(dev)
+
+    def h2d_upload():
+        return upload([pt_np, seq, slots_np])
+
     pt, sl, loc = h2d()
     cu = torch.arange(0, 8 * b + 1, 8, dtype=torch.int32, device=dev)
     plan = attention.plan_decode(view, hq, pt, sl, max_seq_len=ctx)
@@ -202,13 +211,15 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
         "extend_slots": _time(lambda: kvpool.extend_slots(pt_np, prefix, seq, ps), it, rep, sync),
         "h2d": _time(h2d, it, rep, sync),
         "h2d_packed": _time(h2d_packed, it, rep, sync),
+        "h2d_upload": _time(h2d_upload, it, rep, sync),
         "plan_decode": _time(
             lambda: attention.plan_decode(view, hq, pt, sl, max_seq_len=ctx), it, rep, sync
         ),
         "plan_extend": _time(lambda: attention.plan_extend(view, hq, cu, pt, sl), it, rep, sync),
         "write_decode": _time(write_decode, max(1, it // 10), rep, sync) / len(layers),
     }
-    for name, switch in (("normal_launch", "FAST"), ("unrecorded", "RECORD")):
+    for name, switch in (("launcher_wrapper", "DIRECT"), ("normal_launch", "FAST"),
+                         ("unrecorded", "RECORD")):  # fmt: skip
         setattr(_launch, switch, False)
         try:
             r["write_decode_" + name] = (
@@ -221,10 +232,11 @@ def bench(b: int, pool, args, sync) -> dict[str, float]:
             lambda: attention.plan_decode(view, hq, pt_np, seq, max_seq_len=ctx), it, rep, sync
         )
     base = r["page_table"] + r["decode_slots"] + r["plan_decode"]
-    r["step_metadata"] = base + r["h2d_packed"]
+    r["step_metadata"] = base + r["h2d_upload"]
+    r["step_metadata_packed"] = base + r["h2d_packed"]
     r["step_metadata_3_copies"] = base + r["h2d"]
     r["running_step"] = _running_step(b, ps, it, rep, sync)
-    r["running_metadata"] = r["running_step"] + r["h2d_packed"] + r["plan_decode"]
+    r["running_metadata"] = r["running_step"] + r["h2d_upload"] + r["plan_decode"]
     r["graph_fill"], r["graph_fill_per_buffer"] = _graph_fill(pool, hq, pt_np, seq, slots_np,
                                                               it, rep, sync)  # fmt: skip
     return r
@@ -326,8 +338,9 @@ def main() -> None:  # noqa: D103
         "layers_per_write_decode": min(args.layers, len(pool.layers)),
         "unit": "us of host time per call (median of repeats)",
         "targets_at_B256": {"step_metadata": 50, "write_decode": 15},
-        "notes": "since issue 22 (serve branch): step_metadata uses h2d_packed (one copy); "
-        "step_metadata_3_copies is the earlier definition",
+        "notes": "step_metadata uses h2d_upload (PackedUpload, since run 15); "
+        "step_metadata_packed (h2d_packed, run 14) and step_metadata_3_copies (runs <= 13) are "
+        "the earlier definitions",
         "results": results,
     }
     keys = list(next(iter(results.values())))

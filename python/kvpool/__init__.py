@@ -50,6 +50,7 @@ __all__ = [
     "ModelConfigError",
     "ModelSpec",
     "OutOfPagesError",
+    "PackedUpload",
     "PageAllocator",
     "PageError",
     "PinBudgetError",
@@ -74,8 +75,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # KVPool and to_device_packed need torch; import them only when asked so `import kvpool`
-    # stays light.
+    # KVPool, to_device_packed and PackedUpload need torch; import them only when asked so
+    # `import kvpool` stays light.
     if name == "KVPool":
         from kvpool.pool import KVPool
 
@@ -84,4 +85,8 @@ def __getattr__(name: str):
         from kvpool._host import to_device_packed
 
         return to_device_packed
+    if name == "PackedUpload":
+        from kvpool._host import PackedUpload
+
+        return PackedUpload
     raise AttributeError(f"module 'kvpool' has no attribute {name!r}")

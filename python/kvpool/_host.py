@@ -191,3 +191,84 @@ def to_device_packed(arrays, device: torch.device, out: torch.Tensor | None = No
     out = out[:total]
     out.copy_(host, non_blocking=True)
     return packed_views(out, specs, offs)
+
+
+class PackedUpload:
+    """A step's host arrays on the device with one copy, into reused device buffers.
+
+    What :func:`to_device_packed` does, for a loop that uploads its batch metadata every step:
+    the device side is a ring of ``depth`` buffers whose views are made once per shape set
+    and handed out again, so a call costs one pinned host buffer (torch's caching host
+    allocator, which keeps it until the copy has run), the fill and one ``non_blocking`` copy
+    (H200 host, ``benches/step``: see ``h2d_upload`` against ``h2d_packed``).
+
+    Parameters
+    ----------
+    device : torch.device or str
+        Where the arrays go (on CPU the same ring, unpinned and copied at once: the same
+        lifetime rules, testable without a GPU).
+    depth : int
+        Device buffers in the ring, >= 1 (default 2).
+
+    Notes
+    -----
+    The tensors a call returns are views of ring buffer ``n % depth``: the call ``depth`` calls
+    later copies new values into the same memory. The copy is queued on the current stream,
+    so work already queued that reads the old values still reads them; what must not happen is
+    work queued *after* that later call reading the old tensors (hold at most ``depth - 1``
+    earlier steps' metadata live, on one stream). A plan (:func:`kvpool.attention.plan_decode`)
+    keeps the tensors it was made from: make each step's plan from that step's upload.
+    """
+
+    def __init__(self, device, depth: int = 2):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"`depth` = {depth!r}: must be an int >= 1")
+        self.device = torch.device(device)
+        self.depth = depth
+        self._pin = self.device.type == "cuda"
+        self._bufs: list[torch.Tensor | None] = [None] * depth
+        # per ring slot: {shape set: device views}; cleared when the slot's buffer regrows
+        self._views: list[dict] = [{} for _ in range(depth)]
+        self._next = 0
+
+    def __call__(self, arrays) -> list[torch.Tensor]:
+        """``arrays`` (numpy arrays or scalars, any shapes and numeric dtypes) on the device.
+
+        Returns
+        -------
+        list of torch.Tensor
+            One per array, same dtype and shape, each at a :data:`PACK_ALIGN`-aligned offset of
+            this call's ring buffer (valid as the class notes say).
+
+        Raises
+        ------
+        TypeError
+            An entry that is not a numpy array (named by its index).
+        """
+        for i, a in enumerate(arrays):
+            if type(a) is not np.ndarray:
+                if not isinstance(a, (np.ndarray, np.generic)):
+                    raise TypeError(f"`arrays[{i}]` is {type(a).__name__}, expected a numpy array")
+                arrays = [np.asarray(x) for x in arrays]  # (numpy scalars, subclasses)
+                break
+        key = tuple((a.shape, a.dtype) for a in arrays)
+        offs, total = _layout(key)
+        i = self._next
+        self._next = (i + 1) % self.depth
+        views = self._views[i].get(key)
+        if views is None:
+            buf = self._bufs[i]
+            if buf is None or buf.numel() < total:
+                # (grown to a power of two: a batch that grows by a row does not regrow it)
+                size = 1 << max(total - 1, 255).bit_length()
+                buf = self._bufs[i] = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self._views[i].clear()
+            if len(self._views[i]) >= 64:  # (bounded: a loop meets few shape sets)
+                self._views[i].clear()
+            views = self._views[i][key] = (buf[:total], packed_views(buf, key, list(offs)))
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        hv = host.numpy()
+        for a, (shape, dt), o in zip(arrays, key, offs, strict=True):
+            np.ndarray(shape, dt, buffer=hv, offset=o)[...] = a
+        views[0].copy_(host, non_blocking=True)
+        return views[1]

@@ -30,8 +30,13 @@ callers read it anyway for the alignment in their keys). Given a tensor, Triton'
 calls its ``data_ptr`` method and ``cuPointerGetAttribute`` for every pointer argument on every
 launch, a few hundred nanoseconds each for ~10-16 pointers per kernel.
 
+Where the Triton version's launcher is known (:data:`DIRECT_TRITON`), a replay calls the C
+launch function under Triton's ``CudaLauncher`` directly, skipping its Python wrapper
+(:func:`_direct_launch`).
+
 Module switches: ``FAST`` False makes every record launch the normal way (tests compare both
-bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` times all three).
+bit for bit); ``RECORD`` False stops recording (``benches/step/bench_host.py`` times all three);
+``DIRECT`` False replays through ``CudaLauncher.__call__`` instead of its C launch.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ FAST_DEVICE_TYPES = ("cuda",)
 #: Record launches at all (False: every call checks and launches from scratch, as before
 #: records existed; ``benches/step/bench_host.py`` times the three ways).
 RECORD = True
+#: Replay through the C launch function under Triton's launcher where the version is known.
+DIRECT = True
 
 
 _RUNTIME: list[Any] = []  # triton.knobs.runtime, imported on first use
@@ -217,7 +224,7 @@ class Launch:
     """
 
     __slots__ = ("fn", "grid", "pos", "kw", "pos_slots", "full", "subs", "keep", "launcher",
-                 "function", "meta", "stream", "dev_index")  # fmt: skip
+                 "function", "meta", "stream", "dev_index", "direct", "coop", "pdl")  # fmt: skip
 
     def __init__(
         self,
@@ -238,13 +245,14 @@ class Launch:
         if any(x is not None and any(v is x for v in self.kw.values()) for x in per_call):
             raise ValueError("a per-call argument passed by keyword cannot be replayed")
         self.full = self.subs = self.keep = self.launcher = self.function = self.meta = None
+        self.direct = self.coop = self.pdl = None
         self.stream, self.dev_index = None, getattr(device, "index", None)
         if (getattr(device, "type", None) in FAST_DEVICE_TYPES
                 and os.environ.get("TRITON_INTERPRET") != "1"):  # fmt: skip
             try:
                 self._resolve(list(args), per_call)
             except Exception:  # another Triton's internals: the normal launch still works
-                self.full = self.subs = self.keep = self.launcher = None
+                self.full = self.subs = self.keep = self.launcher = self.direct = None
 
     def _resolve(self, args: list[Any], per_call: Sequence[Any]) -> None:
         """Bind the call to the kernel's signature and find its compiled kernel (CUDA)."""
@@ -274,6 +282,9 @@ class Launch:
         full = [a.data_ptr() if isinstance(a, _tensor_type()) else a for a in full]
         self.full, self.launcher = full, launcher
         self.function, self.meta = kernel.function, kernel.packed_metadata
+        self.direct = _direct_launch(launcher)
+        if self.direct is not None:
+            self.coop, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
         self.stream = driver.active.get_current_stream
         if self.dev_index is None:
             self.dev_index = driver.active.get_current_device()
@@ -301,6 +312,10 @@ class Launch:
         for i, j in self.subs:
             a[i] = ptrs[j]
         g = self.grid
+        if self.direct is not None and DIRECT:  # (see _direct_launch: no scratch, no hooks)
+            self.direct(g[0], g[1], g[2], stream, self.function, self.coop, self.pdl, None, None,
+                        self.meta, None, None, None, *a)  # fmt: skip
+            return
         self.launcher(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *a)
 
     def launch_normal(self, per_call: Sequence[Any]) -> None:
@@ -347,3 +362,46 @@ def _slots(args: Sequence[Any], per_call: Sequence[Any]) -> list[tuple[int, ...]
     return [
         () if x is None else tuple(i for i, a in enumerate(args) if a is x) for x in per_call
     ]
+
+
+#: Triton versions whose ``CudaLauncher`` calls its C ``launch`` as :func:`_direct_launch`
+#: expects (read in Triton 3.6's ``backends/nvidia/driver.py``; 3.9 passes the kernel's
+#: arguments as one tuple and more besides). Others replay through ``CudaLauncher.__call__``.
+DIRECT_TRITON = ("3.6.",)
+
+
+def _direct_launch(launcher: Any) -> Any:
+    """The C launch function behind Triton's ``CudaLauncher``, where it can be called directly.
+
+    ``CudaLauncher.__call__`` is a Python wrapper (~1-2 us a launch on the H200's host,
+    ``benches/step``) that allocates the global and profile scratch buffers a kernel may ask
+    for and then calls ``launch(grid_x, grid_y, grid_z, stream, function, cooperative, pdl,
+    global_scratch, profile_scratch, metadata, launch_metadata, enter_hook, exit_hook, *args)``.
+    For a kernel that asks for neither scratch buffer (kvpool's), calling ``launch`` with None
+    for both is what the wrapper does. None where the Triton version is not one read
+    (:data:`DIRECT_TRITON`), the launcher is another class, or a kernel needs scratch.
+    """
+    if type(launcher).__name__ != "CudaLauncher" or not _direct_version():
+        return None
+    try:
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        launch = launcher.launch
+        launcher.launch_cooperative_grid, launcher.launch_pdl  # noqa: B018  (both present)
+    except AttributeError:
+        return None
+    return launch if callable(launch) else None
+
+
+_DIRECT_OK: list[bool] = []
+
+
+def _direct_version() -> bool:
+    if not _DIRECT_OK:
+        try:
+            import triton
+
+            _DIRECT_OK.append(triton.__version__.startswith(DIRECT_TRITON))
+        except ImportError:
+            _DIRECT_OK.append(False)
+    return _DIRECT_OK[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -340,6 +341,19 @@ def plan_decode(
             max_seq_len=max_seq_len, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
             num_stages=num_stages, asm=asm,
         )  # fmt: skip
+    defaults = (num_splits is None and block_n is None and num_warps is None
+                and num_stages is None and use_dot is None and prefetch is None and asm is None
+                and swap is None and group_pad is None and maxnreg is None and not ablate
+                and gluon is None and gluon_knobs is None)  # fmt: skip
+    memo = _memo_key(view, num_q_heads, page_table, seq_lens, max_seq_len) if defaults else None
+    if memo is not None:
+        hit = _PLAN_MEMO.get(memo)
+        if hit is not None:
+            cls, fields = hit
+            part = _split_workspace(page_table.shape[0], num_q_heads, fields["num_splits"],
+                                    view.v_head_dim, view.k.device)  # fmt: skip
+            return cls.fresh(page_table=page_table, seq_lens=seq_lens, part_out=part[0],
+                             part_lse=part[1], **fields)  # fmt: skip
     _check_view(view)
     g = _group(view, num_q_heads)
     dev = view.k.device
@@ -382,7 +396,8 @@ def plan_decode(
         raise ValueError(f"`gluon=True` takes no Triton kernel options, got {', '.join(given)}")
     if gluon:
         knobs = knobs_mod.pick(view, g, gluon_knobs)
-        return _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits, knobs)
+        plan = _gluon_plan(view, num_q_heads, page_table, seq_lens, ctx, num_splits, knobs)
+        return _memoize(memo, plan)
     if use_dot is None:
         use_dot = True
     # Measured on the H200 (benches/attention, run 5 at B=64/8k): fp8 is fastest with the word
@@ -445,7 +460,7 @@ def plan_decode(
     if maxnreg is not None:
         maxnreg = _check_knob("maxnreg", maxnreg, 24, 255)
     part_out, part_lse = _split_workspace(b, num_q_heads, num_splits, view.v_head_dim, dev)
-    return DecodePlan.fresh(
+    plan = DecodePlan.fresh(
         page_table=page_table,
         seq_lens=seq_lens,
         num_q_heads=num_q_heads,
@@ -463,6 +478,63 @@ def plan_decode(
         part_out=part_out,
         part_lse=part_lse,
     )
+    return _memoize(memo, plan)
+
+
+# plan_decode's choices for a batch shape it has planned before (the default knobs only):
+# {key: (plan class, fields other than the batch tensors)}; a serving loop plans the same few
+# shapes every step, and the choice (kernel, tiles, splits, checks passed) costs ~12 us of
+# host time (benches/step).
+_PLAN_MEMO: dict[tuple, tuple] = {}
+_BATCH_FIELDS = frozenset(("page_table", "seq_lens", "part_out", "part_lse", "_gen"))
+
+
+def _memo_key(view, num_q_heads, page_table, seq_lens, max_seq_len) -> tuple | None:
+    """What plan_decode's choice with default knobs reads, or None (not memoized).
+
+    The view's generation (:class:`kvpool._launch.Generation`: unique to the object and its
+    fields), the batch tensors' shapes, strides, dtypes and devices, ``max_seq_len``, and the
+    environment and module switches the choice reads.
+    """
+    gen = view.__dict__.get("_gen")
+    tensor = torch.Tensor
+    if gen is None or type(page_table) is not tensor or type(seq_lens) is not tensor:
+        return None
+    key = (
+        gen, num_q_heads, page_table.shape, page_table.stride(), page_table.dtype,
+        page_table.device, seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+        max_seq_len, _memo_env(), variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
+    )  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:  # (an unhashable max_seq_len: checked, and refused, as usual)
+        return None
+    return key
+
+
+_ENV_NAMES = ("TRITON_INTERPRET", variants.GLUON_WIDE_ENV, knobs_mod.KNOBS_ENV)
+_ENV_BYTES = tuple(n.encode() for n in _ENV_NAMES)
+# (os.environ's own dict, which its item assignment updates: ``os.environ.get`` encodes the
+# name and goes through the Mapping machinery, ~0.5 us a name)
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def _memo_env() -> tuple:
+    """The environment variables the plan choice reads (values as os.environ holds them)."""
+    d = _ENV_DATA
+    if type(d) is dict:
+        return (d.get(_ENV_BYTES[0]), d.get(_ENV_BYTES[1]), d.get(_ENV_BYTES[2]))
+    return tuple(map(os.environ.get, _ENV_NAMES))
+
+
+def _memoize(key: tuple | None, plan: DecodePlan) -> DecodePlan:
+    """Keep ``plan``'s choice under ``key`` (when not None); return ``plan``."""
+    if key is not None:
+        if len(_PLAN_MEMO) >= 256:  # (bounded: a loop meets few batch shapes)
+            _PLAN_MEMO.clear()
+        fields = {k: v for k, v in plan.__dict__.items() if k not in _BATCH_FIELDS}
+        _PLAN_MEMO[key] = (type(plan), fields)
+    return plan
 
 
 @dataclass
