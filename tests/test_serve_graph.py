@@ -108,8 +108,10 @@ class RunningBatchModel(RuleBasedStateMachine):
         n = len(self.model)
         need = [m for m in self.model if len(m[0]) * self.PS < m[1]]
         if any(len(m[0]) + 1 > self.WIDTH for m in need):
-            with pytest.raises(ValueError, match="the table holds"):
+            before = self.next_page
+            with pytest.raises(ValueError, match="`max_pages` = 5"):
                 self.rb.grow(self._pages)
+            assert self.next_page == before  # (alloc not called; the invariant: nothing written)
             return
         rows, pages = self.rb.grow(self._pages)
         want_rows = [i for i, m in enumerate(self.model) if len(m[0]) * self.PS < m[1]]
@@ -137,6 +139,33 @@ class RunningBatchModel(RuleBasedStateMachine):
 
 
 TestRunningBatch = RunningBatchModel.TestCase
+
+
+def test_running_batch_grow_refuses_a_bad_alloc_and_writes_nothing():
+    rb = RunningBatch(2, 3, 4)
+    rb.add(np.array([5], np.int32), 5, 0)  # (4 cached on page 5: the 5th needs a page)
+    rb.add(np.array([6], np.int32), 3, 0)
+    table, num = rb.table.copy(), rb.num_pages.copy()
+
+    def boom(k):
+        raise MemoryError(f"no {k} pages")
+
+    for alloc, err, match in (
+        (boom, MemoryError, "no 1 pages"),
+        (lambda k: np.arange(1, 3, dtype=np.int32), ValueError, "`new_pages` has 2 entries"),
+        (lambda k: np.zeros(k, np.int32), ValueError, "page 0 is the padding page"),
+        (lambda k: [9] * k, None, None),  # (a list is taken as int32)
+    ):
+        if err is None:
+            rows, pages = rb.grow(alloc)
+            assert rows.tolist() == [0] and pages.tolist() == [9]
+            assert rb.table[0].tolist() == [5, 9, 0] and rb.num_pages[:2].tolist() == [2, 1]
+            break
+        with pytest.raises(err, match=match):
+            rb.grow(alloc)
+        assert np.array_equal(rb.table, table) and np.array_equal(rb.num_pages, num)
+    # no row short: alloc is not called
+    assert [x.tolist() for x in rb.grow(boom)] == [[], []]
 
 
 def test_running_batch_refuses_bad_rows():

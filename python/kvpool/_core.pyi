@@ -42,6 +42,7 @@ __all__ = [
     "pages_needed",
     "assign_pages",
     "extend_slots",
+    "grow_pages",
     "decode_slots",
     "release_window_pages",
     "page_hashes",
@@ -780,6 +781,40 @@ def assign_pages(
 ) -> None:
     """Writes ``new_pages`` (batch order, ``pages_needed`` each) into the row entries
     ``ceil(prefix / page_size) .. ceil(seq / page_size)`` of ``page_table``, in place."""
+
+def grow_pages(
+    page_table: _Int32Array,
+    num_pages: _Int32Array,
+    seq_lens: _IntArray,
+    page_size: int,
+    alloc: Callable[[int], _IntArray],
+) -> tuple[npt.NDArray[np.int64], _Int32Array]:
+    """Grows a running decode batch's page table in place (``kvpool.running.RunningBatch.grow``).
+
+    Every row ``i`` whose ``num_pages[i]`` pages hold fewer than its ``seq_lens[i]`` tokens
+    (``ceil(seq_lens[i] / page_size) - num_pages[i]`` pages short) gets that many pages from
+    one call ``alloc(k)`` (``k`` the total, returning ``k`` int32/int64 page ids >= 1, in row
+    order), written into ``page_table[i, num_pages[i]:]``; ``num_pages`` grows by them.
+    ``page_table`` ``[B, max_pages]`` int32 and ``num_pages`` ``[B]`` int32, both C-contiguous
+    and written in place; ``seq_lens`` ``[B]`` int32/int64. Returns ``(rows, pages)``: the
+    rows that grew (int64, ascending) and the pages given (empty, and ``alloc`` not called,
+    when no row is short).
+
+    Raises ``ValueError`` (kvpool.BatchError) for a negative length or page count, a row that
+    would need more than ``max_pages`` entries (``alloc`` not called), or ``alloc`` giving the
+    wrong number of pages or page 0; ``TypeError`` for arrays of another kind. Whatever
+    ``alloc`` raises propagates. Nothing is written on any error.
+
+    Examples
+    --------
+    >>> import numpy as np, kvpool._core as core
+    >>> table = np.array([[7, 0], [8, 0]], dtype=np.int32)
+    >>> num = np.array([1, 1], dtype=np.int32)
+    >>> rows, pages = core.grow_pages(table, num, np.array([17, 5], np.int32), 16,
+    ...                               lambda k: np.arange(20, 20 + k, dtype=np.int32))
+    >>> rows.tolist(), pages.tolist(), table.tolist(), num.tolist()
+    ([0], [20], [[7, 20], [8, 0]], [2, 1])
+    """
 
 def extend_slots(
     page_table: _Int32Array,

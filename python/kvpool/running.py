@@ -11,8 +11,8 @@ keeps the arrays and writes only those changes:
   the step's batch, no gather); :meth:`add` appends a row, :meth:`remove` moves the last row
   into the freed one (its caller renumbers that request);
 - :meth:`grow` finds the rows whose next token needs a new page
-  (:func:`kvpool.pages_needed`) and writes the pages given for them
-  (:func:`kvpool.assign_pages`, in place);
+  and writes the pages given for them after their last ones, in place (one Rust call,
+  ``kvpool._core.grow_pages``);
 - :meth:`slots` computes the new tokens' slots into a persistent array
   (:func:`kvpool.decode_slots` with ``out=``); :meth:`advance` adds the step's token to every
   row (``seq_lens += 1``) and keeps the sampled ids as the next step's inputs.
@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvpool._core import assign_pages, decode_slots, pages_needed
+from kvpool._core import decode_slots, grow_pages
 
 
 class RunningBatch:
@@ -157,35 +157,23 @@ class RunningBatch:
     def grow(self, alloc: Callable[[int], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Give pages to every row whose pages do not hold its next token.
 
-        ``alloc(k)`` returns ``k`` page ids (int32), written in row order after those rows'
-        pages (:func:`kvpool.pages_needed`, :func:`kvpool.assign_pages`).
+        ``alloc(k)`` returns ``k`` page ids (>= 1), written in row order after those rows'
+        pages (``kvpool._core.grow_pages``: one call for the batch).
 
         Returns ``(rows, pages)``: the rows that grew and their new pages (empty when none).
 
         Raises
         ------
         ValueError
-            A row would exceed the table's width (nothing is written; ``alloc`` is not called).
+            A row would exceed the table's width (nothing is written; ``alloc`` is not called);
+            ``alloc`` gave the wrong number of pages or page 0 (nothing written; the pages it
+            gave are the caller's to free).
         Whatever ``alloc`` raises (e.g. MemoryError) propagates, nothing written.
         """
-        n, ps = self.n, self.page_size
-        seq = self.seq_lens[:n]
-        have = np.minimum(self.num_pages[:n] * ps, seq)  # tokens the row's pages hold
-        need = pages_needed(have, seq, ps)
-        rows = np.flatnonzero(need)
-        if rows.size == 0:
-            return rows, np.zeros(0, np.int32)
-        over = rows[self.num_pages[rows] + need[rows] > self.max_pages]
-        if over.size:
-            r = int(over[0])
-            raise ValueError(
-                f"row {r}: its token {int(seq[r])} needs page {int(self.num_pages[r]) + 1}, "
-                f"the table holds {self.max_pages}"
-            )
-        pages = np.asarray(alloc(int(need.sum())), np.int32)
-        assign_pages(self.table[:n], have, seq, pages, ps)
-        self.num_pages[:n] += need
-        return rows, pages
+        n = self.n
+        # (one Rust call: the short rows, one alloc call, the pages written after theirs)
+        return grow_pages(self.table[:n], self.num_pages[:n], self.seq_lens[:n],
+                          self.page_size, lambda k: np.asarray(alloc(k), np.int32))  # fmt: skip
 
     def slots(self) -> np.ndarray:
         """``[n]`` int32 slot of each row's next token (a view of a persistent array)."""

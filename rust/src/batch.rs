@@ -25,7 +25,9 @@
 
 use crate::layout::PADDING_PAGE;
 
+mod grow;
 mod rollback;
+pub use grow::{append_pages, rows_short};
 pub use rollback::rollback_slots;
 
 /// Errors of the `batch` room.

@@ -289,7 +289,10 @@ fn rollback_slots<'py>(
     cached_lens: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i32>>)> {
     let (t, _, width) = table(page_table, "page_table")?;
-    let (s, a) = (ints(seq_lens, "seq_lens")?, ints(accepted_lens, "accepted_lens")?);
+    let (s, a) = (
+        ints(seq_lens, "seq_lens")?,
+        ints(accepted_lens, "accepted_lens")?,
+    );
     let (s, a) = (s.lens("seq_lens")?, a.lens("accepted_lens")?);
     let c = cached_lens.map(|c| ints(c, "cached_lens")).transpose()?;
     let c = c.as_ref().map(|c| c.lens("cached_lens")).transpose()?;
@@ -300,6 +303,60 @@ fn rollback_slots<'py>(
     Ok((PyArray1::from_vec(py, free), PyArray1::from_vec(py, lens)))
 }
 
+/// Grows a running decode batch's page table in place: pages for every row whose pages do not
+/// hold its `seq_lens` tokens, from `alloc(k)`, written after the row's `num_pages` pages.
+#[pyfunction]
+fn grow_pages<'py>(
+    page_table: &Bound<'py, PyAny>,
+    num_pages: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    page_size: Int,
+    alloc: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i32>>)> {
+    let py = page_table.py();
+    let (t, _, width) = table(page_table, "page_table")?;
+    let num = num_pages
+        .cast::<PyArray1<i32>>()
+        .map_err(|_| array_type_error(py, "`num_pages` must be a 1-D numpy int32 array".into()))?;
+    let ps = count("page_size", &page_size)?;
+    // (the arrays are read, then released before `alloc` runs: it may be any Python code)
+    let short = {
+        let r = num
+            .try_readonly()
+            .map_err(|e| array_type_error(py, format!("`num_pages`: {e}")))?;
+        let have = r
+            .as_slice()
+            .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+        let seq = ints(seq_lens, "seq_lens")?;
+        let seq = seq.lens("seq_lens")?;
+        batch::rows_short(have, &seq, ps, width).map_err(to_py)?
+    };
+    let rows: Vec<i64> = short.iter().map(|&(r, _)| r as i64).collect();
+    if short.is_empty() {
+        return Ok((
+            PyArray1::from_vec(py, rows),
+            PyArray1::from_vec(py, Vec::new()),
+        ));
+    }
+    let total: usize = short.iter().map(|&(_, n)| n).sum();
+    let got = alloc.call1((total,))?;
+    let pages = ints(&got, "alloc(k)")?.pages("alloc(k)")?.into_owned();
+    let mut tw = t
+        .try_readwrite()
+        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
+    let tab = tw
+        .as_slice_mut()
+        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
+    let mut nw = num
+        .try_readwrite()
+        .map_err(|e| array_type_error(py, format!("`num_pages`: {e}")))?;
+    let have = nw
+        .as_slice_mut()
+        .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+    batch::append_pages(tab, width, have, &short, &pages).map_err(to_py)?;
+    Ok((PyArray1::from_vec(py, rows), PyArray1::from_vec(py, pages)))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(page_table, m)?)?;
     m.add_function(wrap_pyfunction!(pages_needed, m)?)?;
@@ -307,5 +364,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(extend_slots, m)?)?;
     m.add_function(wrap_pyfunction!(decode_slots, m)?)?;
     m.add_function(wrap_pyfunction!(rollback_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(grow_pages, m)?)?;
     Ok(())
 }
