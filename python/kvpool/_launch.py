@@ -365,8 +365,9 @@ def _slots(args: Sequence[Any], per_call: Sequence[Any]) -> list[tuple[int, ...]
 
 
 #: Triton versions whose ``CudaLauncher`` calls its C ``launch`` as :func:`_direct_launch`
-#: expects (read in Triton 3.6's ``backends/nvidia/driver.py``; 3.9 passes the kernel's
-#: arguments as one tuple and more besides). Others replay through ``CudaLauncher.__call__``.
+#: expects (read in Triton 3.6's NVIDIA driver module, ``triton.backends.nvidia.driver``; 3.9
+#: passes the kernel's arguments as one tuple and more besides). Others replay through
+#: ``CudaLauncher.__call__``.
 DIRECT_TRITON = ("3.6.",)
 
 
