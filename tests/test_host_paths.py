@@ -114,10 +114,13 @@ def test_packed_upload_refuses_bad_arguments():
         with pytest.raises(ValueError, match="`depth`"):
             PackedUpload("cpu", depth=depth)
     up = PackedUpload("cpu")
-    with pytest.raises(TypeError, match=r"`arrays\[1\]` is list"):
-        up([ARRAYS[0], [1, 2]])
+    with pytest.raises(TypeError, match=r"`arrays\[1\]` is of dtype <U1"):
+        up([ARRAYS[0], ["a", "b"]])
     # nothing was consumed by the refused call: the next one still uses slot 0
     assert up._next == 0
+    # Python values and generators are taken as numpy.asarray takes them
+    got = up(x for x in ([1, 2, 3], 7.5))
+    assert [t.tolist() for t in got] == [[1, 2, 3], 7.5] and up._next == 1
 
 
 def test_plan_decode_memo_gives_the_fresh_choice_for_each_batch_shape(monkeypatch):
@@ -151,9 +154,21 @@ def test_plan_decode_memo_gives_the_fresh_choice_for_each_batch_shape(monkeypatc
     assert len(plans._PLAN_MEMO) == n + 2
     attention.plan_decode(view, 4, pt, sl, block_n=32)  # (knobs given: never memoized)
     assert len(plans._PLAN_MEMO) == n + 2
-    # a bad batch is refused on a memo hit as on a miss (its shape is in the key)
-    with pytest.raises(ValueError, match="seq_lens"):
-        attention.plan_decode(view, 4, pt, torch.zeros(b + 1, dtype=torch.int32))
+    # values equal to a memoized one but refused fresh are refused (their types are keyed)
+    attention.plan_decode(view, 4, pt, sl, max_seq_len=1)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="max_seq_len"):
+            attention.plan_decode(view, 4, pt, sl, max_seq_len=bad)
+    # a swapped SM count (as tests do) is a new choice, equal to the uncached one
+    monkeypatch.setattr(attention.splits, "_num_sms", lambda device: 132)
+    hit = attention.plan_decode(view, 4, pt, sl)
+    monkeypatch.setattr(plans, "_memo_key", lambda *a: None)
+    fresh = attention.plan_decode(view, 4, pt, sl)
+    assert {k: v for k, v in vars(hit).items() if k not in plans._BATCH_FIELDS} == {
+        k: v for k, v in vars(fresh).items() if k not in plans._BATCH_FIELDS
+    }
+    attention.clear_plan_memo()
+    assert not plans._PLAN_MEMO
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])

@@ -168,6 +168,37 @@ def test_running_batch_grow_refuses_a_bad_alloc_and_writes_nothing():
     assert [x.tolist() for x in rb.grow(boom)] == [[], []]
 
 
+def test_grow_pages_checks_everything_before_alloc_runs():
+    from kvpool._core import grow_pages
+
+    calls = []
+
+    def alloc(k):
+        calls.append(k)
+        return np.arange(20, 20 + k, dtype=np.int32)
+
+    table = np.array([[7, 0], [8, 0]], np.int32)
+    num, seq = np.array([1, 1], np.int32), np.array([17, 5], np.int32)
+    with pytest.raises(ValueError, match="`num_pages` has 1 entries, expected 2"):
+        grow_pages(table, num[:1], seq[:1], 16, alloc)
+    ro = table.copy()
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="page_table"):
+        grow_pages(ro, num, seq, 16, alloc)
+    assert calls == []  # (alloc's pages would have been lost)
+
+    def meddle(k):  # changes the batch under the call
+        num[1] = 0
+        return alloc(k)
+
+    with pytest.raises(RuntimeError, match="changed while `alloc` ran"):
+        grow_pages(table, num, seq, 16, meddle)
+    assert table.tolist() == [[7, 0], [8, 0]]
+    num[1] = 1
+    rows, pages = grow_pages(table, num, seq, 16, alloc)
+    assert (rows.tolist(), pages.tolist(), table.tolist()) == ([0], [20], [[7, 20], [8, 0]])
+
+
 def test_running_batch_refuses_bad_rows():
     rb = RunningBatch(1, 2, 4)
     with pytest.raises(ValueError, match="do not fit"):

@@ -802,8 +802,10 @@ def grow_pages(
 
     Raises ``ValueError`` (kvpool.BatchError) for a negative length or page count, a row that
     would need more than ``max_pages`` entries (``alloc`` not called), or ``alloc`` giving the
-    wrong number of pages or page 0; ``TypeError`` for arrays of another kind. Whatever
-    ``alloc`` raises propagates. Nothing is written on any error.
+    wrong number of pages or page 0; ``TypeError`` for arrays of another kind or read-only;
+    ``RuntimeError`` when ``num_pages`` changed while ``alloc`` ran. Sizes, writability and
+    widths are checked before ``alloc`` is called; whatever ``alloc`` raises propagates.
+    Nothing is written on any error (pages ``alloc`` gave before one are the caller's).
 
     Examples
     --------

@@ -232,7 +232,8 @@ class PackedUpload:
         self._next = 0
 
     def __call__(self, arrays) -> list[torch.Tensor]:
-        """``arrays`` (numpy arrays or scalars, any shapes and numeric dtypes) on the device.
+        """``arrays`` (numpy arrays, or what ``numpy.asarray`` makes one of: any shapes, numeric
+        dtypes) on the device.
 
         Returns
         -------
@@ -243,15 +244,13 @@ class PackedUpload:
         Raises
         ------
         TypeError
-            An entry that is not a numpy array (named by its index).
+            An entry of a non-numeric dtype (named by its index); nothing is uploaded.
         """
-        for i, a in enumerate(arrays):
-            if type(a) is not np.ndarray:
-                if not isinstance(a, (np.ndarray, np.generic)):
-                    raise TypeError(f"`arrays[{i}]` is {type(a).__name__}, expected a numpy array")
-                arrays = [np.asarray(x) for x in arrays]  # (numpy scalars, subclasses)
-                break
+        arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
         key = tuple((a.shape, a.dtype) for a in arrays)
+        for i, (_, dt) in enumerate(key):
+            if dt.kind not in "biuf":
+                raise TypeError(f"`arrays[{i}]` is of dtype {dt}, expected a numeric array")
         offs, total = _layout(key)
         i = self._next
         self._next = (i + 1) % self.depth

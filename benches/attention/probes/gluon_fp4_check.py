@@ -58,6 +58,7 @@ def point(view, b, ctx, page, points, hq=ba.HQ):
         )
         try:
             attention._GLUON_CONFIG[view.dtype] = cfg
+            attention.clear_plan_memo()  # (plans made before the edit are not reused)
             if dec is not None:
                 attention.variants._GLUON_FP4_DEC = dec
             plan = attention.plan_decode(pv, hq, pt, sl, max_seq_len=ctx, **kw)

@@ -102,6 +102,7 @@ from kvpool.attention.plans import (  # noqa: F401
     _extend_tiles,
     _gluon_plan,
     _split_workspace,
+    clear_plan_memo,
     plan_decode,
     plan_extend,
 )
@@ -148,6 +149,7 @@ __all__ = [
     "GluonKnobs",
     "MLADecodePlan",
     "MLAExtendPlan",
+    "clear_plan_memo",
     "decode",
     "extend",
     "mla_decode",

@@ -489,21 +489,40 @@ _PLAN_MEMO: dict[tuple, tuple] = {}
 _BATCH_FIELDS = frozenset(("page_table", "seq_lens", "part_out", "part_lse", "_gen"))
 
 
+def clear_plan_memo() -> None:
+    """Forget :func:`plan_decode`'s remembered choices (see ``_memo_key`` for what they are
+    keyed on).
+
+    Only needed after editing a tuning table of :mod:`kvpool.attention.variants` or
+    :mod:`kvpool.attention.gluon_knobs` in place other than the Gluon ring configs (which the
+    key reads), as a probe or a test may do: the next plans are chosen afresh.
+    """
+    _PLAN_MEMO.clear()
+
+
 def _memo_key(view, num_q_heads, page_table, seq_lens, max_seq_len) -> tuple | None:
     """What plan_decode's choice with default knobs reads, or None (not memoized).
 
     The view's generation (:class:`kvpool._launch.Generation`: unique to the object and its
-    fields), the batch tensors' shapes, strides, dtypes and devices, ``max_seq_len``, and the
-    environment and module switches the choice reads.
+    fields), the batch tensors' shapes, strides, dtypes and devices, ``num_q_heads`` and
+    ``max_seq_len`` with their types (``True == 1`` and ``48.0 == 48``, which a fresh plan
+    refuses), the environment and the module state the choice reads that tests and probes
+    change: the Gluon fit check and the SM count (by identity), the view dtype's Gluon ring
+    config and the FP4 options. Other tuning tables are taken as constants
+    (:func:`clear_plan_memo` after editing one).
     """
     gen = view.__dict__.get("_gen")
     tensor = torch.Tensor
     if gen is None or type(page_table) is not tensor or type(seq_lens) is not tensor:
         return None
+    dt = view.dtype
     key = (
-        gen, num_q_heads, page_table.shape, page_table.stride(), page_table.dtype,
-        page_table.device, seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
-        max_seq_len, _memo_env(), variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC,
+        gen, num_q_heads, type(num_q_heads), page_table.shape, page_table.stride(),
+        page_table.dtype, page_table.device, seq_lens.shape, seq_lens.stride(), seq_lens.dtype,
+        seq_lens.device, max_seq_len, type(max_seq_len), _memo_env(),
+        # (what tests and probes swap or edit: the fit check, the SM count, the ring configs)
+        _gluon_unfit, splits._num_sms, variants._GLUON_CONFIG.get(dt),
+        variants._GLUON_16BIT.get(dt), variants._GLUON_FP4_OPTIONS,
     )  # fmt: skip
     try:
         hash(key)

@@ -103,22 +103,38 @@ pub fn append_pages(
     {
         return Err(BatchError::PaddingPage { index, value });
     }
+    // every row checked (and its page count read once) before anything is written
+    let mut at = Vec::with_capacity(short.len());
     for &(row, n) in short {
-        let have = num_pages.get(row).map_or(0, |&h| h.max(0) as usize);
-        if row >= num_pages.len() || have + n > max_pages {
+        let have = match num_pages.get(row) {
+            None => {
+                return Err(BatchError::Length {
+                    what: "num_pages",
+                    expected: row + 1,
+                    got: num_pages.len(),
+                })
+            }
+            Some(&h) => usize::try_from(h).map_err(|_| BatchError::Negative {
+                what: "num_pages",
+                index: row,
+                value: i64::from(h),
+            })?,
+        };
+        if have + n > max_pages {
             return Err(BatchError::TooManyPages {
                 index: row,
                 pages: have + n,
                 max_pages,
             });
         }
+        at.push(have);
     }
     let mut next = 0;
-    for &(row, n) in short {
-        let have = num_pages[row] as usize;
+    for (&(row, n), have) in short.iter().zip(at) {
         let start = row * max_pages + have;
         table[start..start + n].copy_from_slice(&new_pages[next..next + n]);
-        num_pages[row] += n as i32;
+        // (have + n <= max_pages, which fits an i32: a table row's width)
+        num_pages[row] = (have + n) as i32;
         next += n;
     }
     Ok(())
@@ -210,7 +226,19 @@ mod tests {
         ));
         assert!(matches!(
             append_pages(&mut table, 2, &mut num, &[(1, 1)], &[3]),
-            Err(BatchError::TooManyPages { index: 1, .. })
+            Err(BatchError::Length {
+                what: "num_pages",
+                ..
+            })
+        ));
+        let mut neg = [-1];
+        assert!(matches!(
+            append_pages(&mut table, 2, &mut neg, &short, &[3]),
+            Err(BatchError::Negative {
+                what: "num_pages",
+                index: 0,
+                value: -1
+            })
         ));
         assert_eq!((table, num), (vec![7, 0], [1]));
     }

@@ -314,22 +314,36 @@ fn grow_pages<'py>(
     alloc: &Bound<'py, PyAny>,
 ) -> PyResult<(Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<i32>>)> {
     let py = page_table.py();
-    let (t, _, width) = table(page_table, "page_table")?;
+    let (t, rows_in, width) = table(page_table, "page_table")?;
     let num = num_pages
         .cast::<PyArray1<i32>>()
         .map_err(|_| array_type_error(py, "`num_pages` must be a 1-D numpy int32 array".into()))?;
     let ps = count("page_size", &page_size)?;
-    // (the arrays are read, then released before `alloc` runs: it may be any Python code)
-    let short = {
+    // Everything is checked before `alloc` runs (its pages would be lost on a later refusal):
+    // the sizes, that both arrays can be written, the short rows. The arrays are released while
+    // `alloc` runs (it may be any Python code); `num_pages` must be as it was afterwards.
+    let (short, before) = {
+        drop(
+            t.try_readwrite()
+                .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?,
+        );
         let r = num
-            .try_readonly()
+            .try_readwrite()
             .map_err(|e| array_type_error(py, format!("`num_pages`: {e}")))?;
         let have = r
             .as_slice()
             .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+        if have.len() != rows_in {
+            return Err(to_py(batch::BatchError::Length {
+                what: "num_pages",
+                expected: rows_in,
+                got: have.len(),
+            }));
+        }
         let seq = ints(seq_lens, "seq_lens")?;
         let seq = seq.lens("seq_lens")?;
-        batch::rows_short(have, &seq, ps, width).map_err(to_py)?
+        let short = batch::rows_short(have, &seq, ps, width).map_err(to_py)?;
+        (short, have.to_vec())
     };
     let rows: Vec<i64> = short.iter().map(|&(r, _)| r as i64).collect();
     if short.is_empty() {
@@ -353,6 +367,12 @@ fn grow_pages<'py>(
     let have = nw
         .as_slice_mut()
         .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+    if *have != before[..] {
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(
+            "`num_pages` changed while `alloc` ran: nothing written (the pages it gave are the \
+             caller's to free)",
+        ));
+    }
     batch::append_pages(tab, width, have, &short, &pages).map_err(to_py)?;
     Ok((PyArray1::from_vec(py, rows), PyArray1::from_vec(py, pages)))
 }
