@@ -232,8 +232,10 @@ class PackedUpload:
         self._next = 0
 
     def __call__(self, arrays) -> list[torch.Tensor]:
-        """``arrays`` (numpy arrays, or what ``numpy.asarray`` makes one of: any shapes, numeric
-        dtypes) on the device.
+        """``arrays`` on the device, as views of this call's ring buffer.
+
+        ``arrays``: numpy arrays, or what ``numpy.asarray`` makes one of (any shapes, numeric
+        dtypes).
 
         Returns
         -------
