@@ -492,9 +492,10 @@ _BATCH_FIELDS = frozenset(("page_table", "seq_lens", "part_out", "part_lse", "_g
 def clear_plan_memo() -> None:
     """Forget the choices :func:`plan_decode` remembers per batch shape.
 
-    They are keyed on what the choice reads (``_memo_key``). Only needed after editing a tuning table of :mod:`kvpool.attention.variants` or
-    :mod:`kvpool.attention.gluon_knobs` in place other than the Gluon ring configs (which the
-    key reads), as a probe or a test may do: the next plans are chosen afresh.
+    They are keyed on what the choice reads (``_memo_key``). Only needed after editing a
+    tuning table of :mod:`kvpool.attention.variants` or :mod:`kvpool.attention.gluon_knobs`
+    in place, other than the Gluon ring configs (which the key reads), as a probe or a test
+    may do: the next plans are chosen afresh.
     """
     _PLAN_MEMO.clear()
 
