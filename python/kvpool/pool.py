@@ -331,7 +331,13 @@ class KVPool:
         """
         if not self._scales_checked:
             self._warn_missing_scales_once()
-        _write_kv()(self.layer(layer), loc, k, v, debug=self.debug if debug is None else debug)
+        view = self.layer(layer)
+        if debug is None:
+            debug = self.debug
+        # (a write of a kind seen before replays its record straight away: the per-layer path)
+        if not debug and _replay_write()(view, loc, k, v, "auto", None, None):
+            return
+        _write_kv()(view, loc, k, v, debug=debug)
 
     def dequantize(
         self, layer: int, loc: torch.Tensor, out_dtype: torch.dtype = torch.float32
@@ -416,6 +422,15 @@ def _write_kv():
         from kvpool.write import write_kv as fn
 
         _LAZY["write_kv"] = fn
+    return fn
+
+
+def _replay_write():
+    fn = _LAZY.get("replay_write")
+    if fn is None:
+        from kvpool.write import _replay_write as fn
+
+        _LAZY["replay_write"] = fn
     return fn
 
 

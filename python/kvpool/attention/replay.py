@@ -20,6 +20,7 @@ tensors (the interpreter) still have their batch values checked on every call.
 
 from __future__ import annotations
 
+import itertools
 from operator import attrgetter, is_
 from typing import TYPE_CHECKING
 
@@ -72,25 +73,47 @@ def _plan_key(plan: DecodePlan) -> tuple:
             return hit[1], hit[2]
     else:
         tensors, options = _PLAN_TENSORS(plan), _PLAN_OPTIONS(plan)
-    key = (type(plan), *map(tensor_key, tensors), *options)
+    key = _token((type(plan), *map(tensor_key, tensors), *options))
     d["_launch_key"] = (gen, key, tensors, options)
     return key, tensors
 
 
-# (the table keyed last, its items): the table is held, so its identity means what it says
-_FP8_OPTIONS: list = [None, ()]
+# Record keys hold small int tokens for their large static parts (a plan's ~25-field key, the
+# option tables), so that a lookup hashes and compares a dozen items, not a hundred: ~1 us of
+# host time a decode call (benches/step). Equal parts get the same token; a token is never
+# reused (the table is cleared when large, and a cleared part gets a new token: records keyed
+# on the old one are simply not found again).
+_TOKENS: dict = {}
+_NEXT = itertools.count(1)
 
 
-def _fp8_options() -> tuple:
-    """``variants._GLUON_FP8_OPTIONS``'s contents as a key, made again when it is reassigned.
+def _token(part: tuple) -> int:
+    """The int standing for ``part`` in record keys (see ``_TOKENS``)."""
+    t = _TOKENS.get(part)
+    if t is None:
+        if len(_TOKENS) >= 4096:
+            _TOKENS.clear()
+        t = _TOKENS[part] = next(_NEXT)
+    return t
 
-    Not its ``id``: a table replaced by another is freed, and CPython gives the next new dict
-    its address, so two tables met in turn had one key (the first one's launch replayed).
+
+# (the tables keyed last, the token of their contents): the tables are held, so their
+# identities mean what they say
+_OPTIONS: list = [None, None, None, 0]
+
+
+def _options() -> int:
+    """A token of the launch's option tables (``variants._GLUON_FP4_OPTIONS``,
+    ``_GLUON_FP4_DEC`` and ``_GLUON_FP8_OPTIONS``' contents), made again when one is reassigned.
+
+    Contents, not ``id``: a table replaced by another is freed, and CPython gives the next new
+    dict its address, so two tables met in turn had one key (the first one's launch replayed).
     """
-    d = variants._GLUON_FP8_OPTIONS
-    if _FP8_OPTIONS[0] is not d:
-        _FP8_OPTIONS[:] = [d, tuple(sorted(d.items()))]
-    return _FP8_OPTIONS[1]
+    o = _OPTIONS
+    a, b, d = variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC, variants._GLUON_FP8_OPTIONS
+    if o[0] is not a or o[1] is not b or o[2] is not d:
+        o[:] = [a, b, d, _token(("options", a, b, tuple(sorted(d.items()))))]
+    return o[3]
 
 
 def _key(t: torch.Tensor | None) -> tuple[tuple | None, int | None]:
@@ -144,10 +167,7 @@ def _lookup_key(q, plan, out, sinks, sm_scale, window, softcap, backend, merge_p
         # places when replayed with two tensors; such calls are checked and launched as usual)
         return None, None
     pk, (pt, sl, po, pl) = _plan_key(plan)
-    key = (
-        pk, qk, ok, sk, sm_scale, window, softcap, backend,
-        merge_pdl, variants._GLUON_FP4_OPTIONS, variants._GLUON_FP4_DEC, _fp8_options(),
-    )  # fmt: skip
+    key = (pk, qk, ok, sk, sm_scale, window, softcap, backend, merge_pdl, _options())
     # (not hashed here: the record lookup hashes it, and refuses an unhashable option)
     po = None if po is None else po.data_ptr()
     pl = None if pl is None else pl.data_ptr()
