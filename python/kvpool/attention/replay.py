@@ -103,8 +103,9 @@ _OPTIONS: list = [None, None, None, 0]
 
 
 def _options() -> int:
-    """A token of the launch's option tables (``variants._GLUON_FP4_OPTIONS``,
-    ``_GLUON_FP4_DEC`` and ``_GLUON_FP8_OPTIONS``' contents), made again when one is reassigned.
+    """A token of the launch's option tables' contents, made again when one is reassigned.
+
+    The tables: ``variants._GLUON_FP4_OPTIONS``, ``_GLUON_FP4_DEC``, ``_GLUON_FP8_OPTIONS``.
 
     Contents, not ``id``: a table replaced by another is freed, and CPython gives the next new
     dict its address, so two tables met in turn had one key (the first one's launch replayed).
