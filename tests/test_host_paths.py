@@ -325,3 +325,32 @@ def test_fast_replay_passes_every_pointer_as_an_int(monkeypatch):
                       (x.data_ptr(), out.data_ptr()))]  # fmt: skip
     assert kern.calls == want
     assert all(type(v) is int for call in kern.calls for v in call[9:12])
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode:UserWarning")
+def test_packed_upload_on_cuda_keeps_queued_readers_and_never_syncs():
+    """The pinned path: values arrive; work queued before the ring comes back to a buffer
+    still reads that call's values (the copy is stream-ordered), with the GPU held back by a
+    spin so the host runs ahead; no call syncs with the host."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    up = PackedUpload("cuda", depth=2)
+    table = np.arange(256 * 5, dtype=np.int32).reshape(256, 5)
+    lens = np.arange(256, dtype=np.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.cuda._sleep(50_000_000)  # (the GPU is busy: the copies below wait in the stream)
+        first = up([table, lens])
+        kept = [t * 1 for t in first]  # (queued readers of the first call's buffer)
+        up([table + 1, lens + 1])
+        third = up([table + 2, lens + 2])  # (the first call's buffer again)
+        assert all(a is b for a, b in zip(first, third, strict=True))
+        late = [t * 1 for t in third]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert [t.cpu().numpy().tolist() for t in kept] == [table.tolist(), lens.tolist()]
+    assert [t.cpu().numpy().tolist() for t in late] == [(table + 2).tolist(), (lens + 2).tolist()]
+    assert first[0].dtype == torch.int32 and first[0].is_cuda
