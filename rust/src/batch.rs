@@ -96,6 +96,27 @@ pub enum BatchError {
     NoPageToFree { index: usize, entry: usize, page: i32 },
 }
 
+/// Refuses a negative length and one past the int32 slot range (what a `seq_lens` entry may be
+/// in every room that reads page tables).
+///
+/// # Errors
+/// [`BatchError::Negative`], [`BatchError::TooLong`], naming the first bad entry.
+pub(crate) fn check_seq_lens(seq: &[i64]) -> Result<(), BatchError> {
+    for (index, &s) in seq.iter().enumerate() {
+        if s < 0 {
+            return Err(BatchError::Negative {
+                what: "seq_lens",
+                index,
+                value: s,
+            });
+        }
+        if s > i64::from(i32::MAX) {
+            return Err(BatchError::TooLong { index, value: s });
+        }
+    }
+    Ok(())
+}
+
 fn check_lens(prefix: &[i64], seq: &[i64]) -> Result<(), BatchError> {
     if prefix.len() != seq.len() {
         return Err(BatchError::Length {

@@ -28,7 +28,7 @@
 //! ```
 
 use crate::alloc::{AllocError, PageAllocator};
-use crate::batch::{check_width, BatchError};
+use crate::batch::{check_seq_lens, check_width, BatchError};
 
 /// The page-table entries before which request `seq` holds nothing after the call: the entry of
 /// position `max(0, seq - window - draft)`.
@@ -92,18 +92,7 @@ pub fn release_window_pages(
             });
         }
     }
-    for (index, &s) in seq_lens.iter().enumerate() {
-        if s < 0 {
-            return Err(BatchError::Negative {
-                what: "seq_lens",
-                index,
-                value: s,
-            });
-        }
-        if s > i64::from(i32::MAX) {
-            return Err(BatchError::TooLong { index, value: s });
-        }
-    }
+    check_seq_lens(seq_lens)?;
     check_width(None, seq_lens, max_pages, ps)?;
     // Gather what goes (with where it sits, for the error), validate it all, then apply.
     let mut gone: Vec<i32> = Vec::new();

@@ -3,7 +3,7 @@
 //! `kvpool.running.RunningBatch.grow` does every step, in one call instead of a dozen numpy
 //! operations).
 
-use super::{pages_for, BatchError, PADDING_PAGE};
+use super::{check_seq_lens, pages_for, BatchError, PADDING_PAGE};
 
 /// `(row, pages short)` of every row whose `num_pages[row]` pages hold fewer than its
 /// `seq_lens[row]` tokens: `ceil(seq / page_size) - num_pages` where that is positive, in row
@@ -30,18 +30,9 @@ pub fn rows_short(
             got: num_pages.len(),
         });
     }
+    check_seq_lens(seq)?;
     let mut short = Vec::new();
     for (index, (&have, &s)) in num_pages.iter().zip(seq).enumerate() {
-        if s < 0 {
-            return Err(BatchError::Negative {
-                what: "seq_lens",
-                index,
-                value: s,
-            });
-        }
-        if s > i64::from(i32::MAX) {
-            return Err(BatchError::TooLong { index, value: s });
-        }
         if have < 0 {
             return Err(BatchError::Negative {
                 what: "num_pages",

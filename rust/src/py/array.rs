@@ -6,8 +6,10 @@
 
 use std::borrow::Cow;
 
+use numpy::ndarray::Dimension;
 use numpy::{
-    PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadwriteArray,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
@@ -279,6 +281,25 @@ pub(crate) fn table<'a, 'py>(
     }
     let shape = a.shape();
     Ok((a, shape[0], shape[1]))
+}
+
+/// `a` borrowed for writing in place, or TypeError naming it (read-only, or borrowed already).
+pub(crate) fn writable<'py, T: Element, D: Dimension>(
+    a: &Bound<'py, PyArray<T, D>>,
+    name: &str,
+) -> PyResult<PyReadwriteArray<'py, T, D>> {
+    a.try_readwrite()
+        .map_err(|e| array_type_error(a.py(), format!("`{name}`: {e}")))
+}
+
+/// The elements of a borrow from [`writable`], or TypeError naming it when not C-contiguous.
+pub(crate) fn slice_mut<'a, T: Element, D: Dimension>(
+    w: &'a mut PyReadwriteArray<'_, T, D>,
+    name: &str,
+) -> PyResult<&'a mut [T]> {
+    let py = w.py();
+    w.as_slice_mut()
+        .map_err(|_| array_type_error(py, format!("`{name}` must be C-contiguous")))
 }
 
 /// A non-negative count (`n`, `num_tokens`, `page_size`): negative values raise ValueError, and

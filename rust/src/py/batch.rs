@@ -4,7 +4,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::alloc::DETACH_MIN;
-use super::array::{count, detachable, ints, table, zeros, Int};
+use super::array::{count, detachable, ints, slice_mut, table, writable, zeros, Int};
 use super::error::{array_type_error, to_py};
 use crate::batch;
 
@@ -31,13 +31,8 @@ fn write1(
     out: &Bound<'_, PyArray1<i32>>,
     f: impl FnOnce(&mut [i32]) -> Result<(), batch::BatchError>,
 ) -> PyResult<()> {
-    let mut w = out
-        .try_readwrite()
-        .map_err(|e| array_type_error(out.py(), format!("`out`: {e}")))?;
-    let s = w
-        .as_slice_mut()
-        .map_err(|_| array_type_error(out.py(), "`out` must be C-contiguous".into()))?;
-    f(s).map_err(to_py)
+    let mut w = writable(out, "out")?;
+    f(slice_mut(&mut w, "out")?).map_err(to_py)
 }
 
 /// `f` on the entries of a page table from [`table`], borrowed read-only from numpy.
@@ -94,13 +89,8 @@ fn page_table<'py>(
         }
     }
     {
-        let mut w = out
-            .try_readwrite()
-            .map_err(|e| array_type_error(py, format!("`out`: {e}")))?;
-        let s = w
-            .as_slice_mut()
-            .map_err(|_| array_type_error(py, "`out` must be C-contiguous".into()))?;
-        batch::page_table(&refs, width, s).map_err(to_py)?;
+        let mut w = writable(&out, "out")?;
+        batch::page_table(&refs, width, slice_mut(&mut w, "out")?).map_err(to_py)?;
     }
     Ok(out)
 }
@@ -135,7 +125,6 @@ fn assign_pages(
     new_pages: &Bound<'_, PyAny>,
     page_size: Int,
 ) -> PyResult<()> {
-    let py = page_table.py();
     let (t, _, width) = table(page_table, "page_table")?;
     let (p, s, n) = (
         ints(prefix_lens, "prefix_lens")?,
@@ -148,13 +137,8 @@ fn assign_pages(
         n.pages("new_pages")?,
     );
     let ps = count("page_size", &page_size)?;
-    let mut w = t
-        .try_readwrite()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = w
-        .as_slice_mut()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    batch::assign_pages(tab, width, &p, &s, &n, ps).map_err(to_py)
+    let mut w = writable(t, "page_table")?;
+    batch::assign_pages(slice_mut(&mut w, "page_table")?, width, &p, &s, &n, ps).map_err(to_py)
 }
 
 /// Slot indices of tokens `prefix_lens[i]..seq_lens[i]` of every request, in batch order.
@@ -323,16 +307,9 @@ fn grow_pages<'py>(
     // the sizes, that both arrays can be written, the short rows. The arrays are released while
     // `alloc` runs (it may be any Python code); `num_pages` must be as it was afterwards.
     let (short, before) = {
-        drop(
-            t.try_readwrite()
-                .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?,
-        );
-        let r = num
-            .try_readwrite()
-            .map_err(|e| array_type_error(py, format!("`num_pages`: {e}")))?;
-        let have = r
-            .as_slice()
-            .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+        drop(writable(t, "page_table")?);
+        let mut r = writable(num, "num_pages")?;
+        let have = slice_mut(&mut r, "num_pages")?;
         if have.len() != rows_in {
             return Err(to_py(batch::BatchError::Length {
                 what: "num_pages",
@@ -355,18 +332,10 @@ fn grow_pages<'py>(
     let total: usize = short.iter().map(|&(_, n)| n).sum();
     let got = alloc.call1((total,))?;
     let pages = ints(&got, "alloc(k)")?.pages("alloc(k)")?.into_owned();
-    let mut tw = t
-        .try_readwrite()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = tw
-        .as_slice_mut()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    let mut nw = num
-        .try_readwrite()
-        .map_err(|e| array_type_error(py, format!("`num_pages`: {e}")))?;
-    let have = nw
-        .as_slice_mut()
-        .map_err(|_| array_type_error(py, "`num_pages` must be C-contiguous".into()))?;
+    let mut tw = writable(t, "page_table")?;
+    let tab = slice_mut(&mut tw, "page_table")?;
+    let mut nw = writable(num, "num_pages")?;
+    let have = slice_mut(&mut nw, "num_pages")?;
     if *have != before[..] {
         return Err(pyo3::exceptions::PyRuntimeError::new_err(
             "`num_pages` changed while `alloc` ran: nothing written (the pages it gave are the \

@@ -1,10 +1,10 @@
 //! Bindings of `window`: `release_window_pages` over numpy int32 page tables, in place.
 
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::PyArray1;
 use pyo3::prelude::*;
 
 use super::alloc::{with_lock, PyPageAllocator, DETACH_MIN};
-use super::array::{count, detachable, ints, table, Int};
+use super::array::{count, detachable, ints, slice_mut, table, writable, Int};
 use super::error::{array_type_error, to_py};
 use crate::window;
 
@@ -97,23 +97,11 @@ fn release_window_pages(
     // The work: every entry without `first_live`, about one per request with it.
     let long = if fl.is_some() { rows } else { rows * width } >= DETACH_MIN;
     let s = detachable(s, long)?;
-    let mut tw = t
-        .try_readwrite()
-        .map_err(|e| array_type_error(py, format!("`page_table`: {e}")))?;
-    let tab = tw
-        .as_slice_mut()
-        .map_err(|_| array_type_error(py, "`page_table` must be C-contiguous".into()))?;
-    let mut fw = fl
-        .map(|f| {
-            f.try_readwrite()
-                .map_err(|e| array_type_error(py, format!("`first_live`: {e}")))
-        })
-        .transpose()?;
+    let mut tw = writable(t, "page_table")?;
+    let tab = slice_mut(&mut tw, "page_table")?;
+    let mut fw = fl.map(|f| writable(f, "first_live")).transpose()?;
     let fs = match fw.as_mut() {
-        Some(w) => Some(
-            w.as_slice_mut()
-                .map_err(|_| array_type_error(py, "`first_live` must be C-contiguous".into()))?,
-        ),
+        Some(w) => Some(slice_mut(w, "first_live")?),
         None => None,
     };
     // Computed under the allocator's lock; the error becomes a Python object after it drops.
