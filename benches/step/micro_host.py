@@ -18,25 +18,19 @@ JIT dispatch 16.4 (31.9): two launches a layer cost ~15 us before any of kvpool'
 import ctypes
 import json
 import os
-import statistics
-import time
+import sys
 
 import torch
 import triton
 from triton.runtime import driver
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_host import _time  # noqa: E402  (the same timer as the host bench)
+
 
 def t(f, n=20000, rep=5):
-    f()
-    torch.cuda.synchronize()
-    r = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            f()
-        r.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return round(statistics.median(r), 2)
+    """Median us per call of ``rep`` timings of ``n`` calls (bench_host's timer)."""
+    return round(_time(f, n, rep, torch.cuda.synchronize), 2)
 
 
 res = {}

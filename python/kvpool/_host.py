@@ -98,13 +98,13 @@ def _layout(key) -> tuple[tuple[int, ...], int]:
     return tuple(offs), max(n, PACK_ALIGN)
 
 
-def packed_views(buf, specs, offs: list[int]) -> list:
+def packed_views(buf, specs, offs) -> list:
     """Views of a packed ``uint8`` buffer (a torch tensor or a numpy array) as arrays.
 
-    ``specs``: ``(shape, numpy dtype)`` pairs, at ``offs`` (:func:`pack_layout`). One view op
-    per array (``as_strided`` of the buffer viewed once per dtype; numpy: an ``ndarray`` over
-    the buffer): slicing, then viewing the dtype, then the shape costs three torch ops (~1 us
-    each).
+    ``specs``: ``(shape, numpy dtype)`` pairs, at byte offsets ``offs`` (a sequence of ints,
+    :func:`pack_layout`). One view op per array (``as_strided`` of the buffer viewed once per
+    dtype; numpy: an ``ndarray`` over the buffer): slicing, then viewing the dtype, then the
+    shape costs three torch ops (~1 us each).
     """
     out = []
     if isinstance(buf, np.ndarray):
@@ -266,10 +266,9 @@ class PackedUpload:
                 self._views[i].clear()
             if len(self._views[i]) >= 64:  # (bounded: a loop meets few shape sets)
                 self._views[i].clear()
-            views = self._views[i][key] = (buf[:total], packed_views(buf, key, list(offs)))
+            views = self._views[i][key] = (buf[:total], packed_views(buf, key, offs))
         host = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        hv = host.numpy()
-        for a, (shape, dt), o in zip(arrays, key, offs, strict=True):
-            np.ndarray(shape, dt, buffer=hv, offset=o)[...] = a
+        for a, v in zip(arrays, packed_views(host.numpy(), key, offs), strict=True):
+            v[...] = a
         views[0].copy_(host, non_blocking=True)
         return views[1]

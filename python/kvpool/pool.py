@@ -334,10 +334,11 @@ class KVPool:
         view = self.layer(layer)
         if debug is None:
             debug = self.debug
-        # (a write of a kind seen before replays its record straight away: the per-layer path)
-        if not debug and _replay_write()(view, loc, k, v, "auto", None, None):
+        # (write_kv's two halves, called here without its frame: the per-layer path)
+        replay, checked = _write_fns()
+        if not debug and replay(view, loc, k, v, "auto", None, None):
             return
-        _write_kv()(view, loc, k, v, debug=debug)
+        checked(view, loc, k, v, debug, "auto", None, None)
 
     def dequantize(
         self, layer: int, loc: torch.Tensor, out_dtype: torch.dtype = torch.float32
@@ -416,22 +417,14 @@ class KVPool:
 _LAZY: dict[str, Any] = {}
 
 
-def _write_kv():
-    fn = _LAZY.get("write_kv")
-    if fn is None:
-        from kvpool.write import write_kv as fn
+def _write_fns():
+    """kvpool.write's record replay and checked write (the two halves of ``write_kv``)."""
+    fns = _LAZY.get("write")
+    if fns is None:
+        from kvpool.write import _replay_write, _write_checked
 
-        _LAZY["write_kv"] = fn
-    return fn
-
-
-def _replay_write():
-    fn = _LAZY.get("replay_write")
-    if fn is None:
-        from kvpool.write import _replay_write as fn
-
-        _LAZY["replay_write"] = fn
-    return fn
+        fns = _LAZY["write"] = (_replay_write, _write_checked)
+    return fns
 
 
 def _attention():

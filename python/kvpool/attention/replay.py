@@ -55,7 +55,9 @@ class DecodeRecord:
 
 
 def _plan_key(plan: DecodePlan) -> tuple:
-    """``(key, tensors)``: the plan's part of the key and its tensors (for their pointers).
+    """``(token, tensors)``: the plan's part of the key and its tensors (for their pointers).
+
+    The token is an int, :func:`_token` of the tensors' keys and the plan's launch options.
 
     Cached on the plan for its generation (:class:`kvpool._launch.Generation`); a plan without
     one (or at another) is keyed again unless its fields are the same objects as when cached.
