@@ -243,8 +243,11 @@ def write_kv(
 
 
 def _write_checked(layer, loc, k, v, debug, backend, block_t, num_warps) -> None:
-    """:func:`write_kv` past its record lookup: every check, the write, and (on the Triton
-    path, without ``debug``) a record of its launch for the next call of its kind."""
+    """:func:`write_kv` past its record lookup.
+
+    Every check, the write, and (on the Triton path, without ``debug``) a record of its launch
+    for the next call of its kind.
+    """
     key = None if debug else _write_key(layer, loc, k, v, backend, block_t, num_warps)
     loc = as_device_tensor("loc", loc, layer.k.device, (torch.int32, torch.int64))
     t = _check_inputs(layer, loc, k, v)
