@@ -1,6 +1,7 @@
 //! Unit tests of `radix::retention`: priorities, expiry, pins, stats.
 
 use super::super::*;
+use crate::alloc::AllocError;
 
 fn setup(pages: u64, ps: u64) -> (PageAllocator, RadixCache) {
     let a = PageAllocator::new(pages, ps).unwrap();

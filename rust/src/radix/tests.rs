@@ -1,6 +1,7 @@
 //! Unit tests of `radix` (kept beside it so the room's file holds the code alone).
 
 use super::*;
+use crate::alloc::AllocError;
 
 fn setup(pages: u64, ps: u64) -> (PageAllocator, RadixCache) {
     let a = PageAllocator::new(pages, ps).unwrap();

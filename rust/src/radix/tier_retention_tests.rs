@@ -2,6 +2,7 @@
 //! (priority, last access) order, pins are never demoted, host nodes are never pinned.
 
 use super::super::*;
+use crate::alloc::AllocError;
 
 fn setup(dev: u64, host: u64, max_pinned: usize) -> (PageAllocator, PageAllocator, RadixCache) {
     let a = PageAllocator::new(dev, 1).unwrap();
